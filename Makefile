@@ -1,0 +1,23 @@
+# Two commands a newcomer needs:  make run  (the service on the embedded model)  and  make test.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install run test test-fast bench clean
+
+install:
+	@scripts/install.sh $(VENV)
+
+run: install
+	$(PY) -m service --host $(HOST) --port $(PORT)
+
+test: install
+	@scripts/ensure-redis.sh || echo "note: redis-server unavailable; Redis tests will be skipped"
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

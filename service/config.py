@@ -1,0 +1,48 @@
+"""All settings, read once from SKILLCACHE_* environment variables (or a .env file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SKILLCACHE_", env_file=".env", extra="ignore")
+
+    # model
+    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a HF id / local dir")
+    device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
+
+    # store
+    store: Literal["disk", "redis", "memory"] = "disk"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_ttl_s: int | None = None
+    redis_chunk_bytes: int = 32 * 1024 * 1024
+    memory_cache_bytes: int = 2 * 1024**3
+    compile_lock_timeout_s: float = 60.0
+
+    # skills shipped with the service, registered at startup ("" to disable)
+    skills_dir: Path | None = Path("skills")
+
+    # composition
+    seam_tokens: int = Field(4, ge=0, description="tokens recomputed at the start of each block")
+
+    # limits
+    max_skill_tokens: int = 16384
+    max_skills_per_request: int = 16
+    max_tokens_cap: int = 2048
+    max_body_bytes: int = 4 * 1024 * 1024
+    queue_size: int = 32
+
+    @property
+    def store_dir(self) -> Path:
+        return self.home / "store"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"

@@ -1,0 +1,80 @@
+"""One error taxonomy. Each error has an HTTP status and a stable `error_type`; the API maps them once."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status: int = 500
+    error_type: str = "internal_error"
+    headers: dict[str, str] | None = None
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidRequest(ServiceError):
+    status, error_type = 422, "invalid_request"
+
+
+class InvalidField(ServiceError):
+    status, error_type = 422, "invalid_field"
+
+
+class InvalidSkillName(ServiceError):
+    status, error_type = 422, "invalid_skill_name"
+
+
+class SkillNotFound(ServiceError):
+    status, error_type = 404, "skill_not_found"
+
+
+class SessionNotFound(ServiceError):
+    status, error_type = 404, "session_not_found"
+
+
+class SkillConflict(ServiceError):
+    status, error_type = 409, "skill_conflict"
+
+
+class LimitExceeded(ServiceError):
+    status, error_type = 413, "limit_exceeded"
+
+
+class ContextTooLong(ServiceError):
+    status, error_type = 422, "context_too_long"
+
+
+class UnsupportedModel(ServiceError):
+    """The model's attention or RoPE variant cannot be re-rotated exactly."""
+
+    status, error_type = 422, "unsupported_model"
+
+
+class Overloaded(ServiceError):
+    status, error_type = 429, "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class Unauthorized(ServiceError):
+    status, error_type = 401, "unauthorized"
+
+
+class Forbidden(ServiceError):
+    status, error_type = 403, "forbidden"
+
+
+class NotReady(ServiceError):
+    status, error_type = 503, "not_ready"
+
+
+class ModelLoadError(ServiceError):
+    status, error_type = 500, "model_load_failed"
+
+
+class StoreFailure(ServiceError):
+    status, error_type = 503, "store_unavailable"

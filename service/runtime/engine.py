@@ -1,0 +1,139 @@
+"""ModelRuntime: the only place that runs the model. Compiles blocks, builds prompt caches, decodes."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import DynamicCache
+
+from service.errors import ContextTooLong, InvalidRequest, UnsupportedModel
+from service.kv.block import KVBlock
+from service.kv.cache import append_block, block_from_cache, new_cache
+from service.kv.rope import KeyRotator
+from service.runtime.loader import LoadedModel
+from service.runtime.prompt import PromptBuilder, PromptPlan
+
+Mode = Literal["compose", "full"]
+
+
+@dataclass
+class PrefillResult:
+    cache: DynamicCache  # holds every prompt token; owned by this request only
+    logits: torch.Tensor  # [V] float32, the next-token logits after the prompt
+    n_prompt: int
+    n_reused: int  # block tokens copied (re-rotated) instead of recomputed
+    n_recomputed: int  # tokens run through the model
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _rotary_modules(model) -> tuple[list[torch.nn.Module], list[int]]:
+    """The model's rotary embedding(s) and, per layer, which one it uses."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise UnsupportedModel(
+            f"{type(model).__name__} has no standard rotary embedding; re-rotation needs RoPE"
+        )
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return [rotary], [0] * n_layers
+
+
+class ModelRuntime:
+    def __init__(self, loaded: LoadedModel, fingerprint: str) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = fingerprint
+        self.device = loaded.device
+        self.config = self.model.config.get_text_config(decoder=True)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
+        self.prompts = PromptBuilder(self.tokenizer)
+        rotaries, layer_rope = _rotary_modules(self.model)
+        apply_rotary = getattr(sys.modules[type(self.model).__module__], "apply_rotary_pos_emb", None)
+        if apply_rotary is None:
+            raise UnsupportedModel(f"{type(self.model).__module__} has no apply_rotary_pos_emb")
+        rope = getattr(self.config, "rope_parameters", None) or {}
+        self.rotator = KeyRotator(
+            rotaries, layer_rope, apply_rotary, original_max_positions=rope.get("original_max_position_embeddings")
+        )
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = set(eos)
+
+    # ---- forward passes -------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Run ids at positions start.. onto cache (appending to it); return last logits [V] fp32."""
+        input_ids = torch.tensor([ids], device=self.device)  # [1, T]
+        pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # [1, T]
+        out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()  # [V]
+
+    def compile_block(self, token_ids: list[int]) -> KVBlock:
+        """Prefill a skill's ids alone at positions 0..N-1 (no BOS, no template) -> KVBlock."""
+        if not token_ids:
+            raise InvalidRequest("a skill must contain at least one token of text")
+        cache = new_cache(self.model.config)
+        self.forward(token_ids, 0, cache)
+        block = block_from_cache(cache, token_ids, self.fingerprint)
+        block.meta["dtype"] = str(block.dtype).removeprefix("torch.")
+        return block
+
+    # ---- prompt cache ---------------------------------------------------------------------
+    def check_length(self, n_prompt: int, max_new_tokens: int, mode: Mode) -> None:
+        total = n_prompt + max_new_tokens
+        if self.max_positions and total > self.max_positions:
+            raise ContextTooLong(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_positions} tokens; use fewer or shorter skills or lower max_tokens"
+            )
+        if mode == "compose":
+            self.rotator.check_positions(total - 1)
+
+    @torch.inference_mode()
+    def prefill(
+        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int = 4
+    ) -> PrefillResult:
+        """Build the request's cache for `plan` and return the next-token logits.
+
+        compose: text segments and the first `seam_tokens` of each block run through the model
+        against the real preceding context; the rest of each block is re-rotated from its
+        canonical copy. full: the token-identical full recompute of plan.ids.
+        """
+        t0 = time.perf_counter()
+        cache = new_cache(self.model.config)
+        if mode == "full" or not any(s.kind == "skill" for s in plan.segments):
+            logits = self.forward(plan.ids, 0, cache)
+            ms = (time.perf_counter() - t0) * 1e3
+            return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
+        pending: list[int] = []  # ids waiting to run, starting at position `pending_start`
+        pending_start = pos = n_reused = 0
+        t_rotate = 0.0
+        for seg in plan.segments:
+            if seg.kind == "text":
+                pending.extend(seg.ids)
+                pos += len(seg.ids)
+                continue
+            block = blocks[seg.skill_index]
+            if block.token_ids != seg.ids:
+                raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
+            k = min(seam_tokens, block.n_tokens)
+            pending.extend(seg.ids[:k])  # seam: recomputed against the real preceding context
+            self.forward(pending, pending_start, cache)
+            t1 = time.perf_counter()
+            n_reused += append_block(cache, block, start=k, offset=pos, rotator=self.rotator)
+            t_rotate += time.perf_counter() - t1
+            pos += block.n_tokens
+            pending, pending_start = [], pos
+        if not pending:
+            raise InvalidRequest("internal: the prompt must end with text after the last skill")
+        logits = self.forward(pending, pending_start, cache)
+        total_ms = (time.perf_counter() - t0) * 1e3
+        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3}
+        return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused, timings)

@@ -1,0 +1,99 @@
+"""Model fingerprint: changes when weights, tokenizer, chat template, RoPE parameters or dtype change.
+
+Weight files are hashed once and the digest cached by (path, size, mtime), so a multi-GB
+checkpoint does not re-hash at every start. Models without files (random-weight test models)
+hash their state dict directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from service.kv.block import LAYOUT_VERSION
+
+log = logging.getLogger(__name__)
+_CHUNK = 8 * 1024 * 1024
+
+
+def _file_digest(path: Path, cache_file: Path | None) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    cache: dict[str, str] = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if ident in cache:
+        return cache[ident]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if cache_file is not None:
+        cache[ident] = digest
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".fp-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_file)
+        except OSError as e:  # a cache we cannot write only costs a re-hash next start
+            log.warning("cannot write fingerprint cache %s: %s", cache_file, e)
+    return digest
+
+
+def weights_digest(model: PreTrainedModel, source_files: list[Path], cache_file: Path | None) -> str:
+    h = hashlib.sha256()
+    if source_files:
+        for p in source_files:
+            h.update(p.name.encode())
+            h.update(_file_digest(p, cache_file).encode())
+    else:
+        for name, t in sorted(model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tok: PreTrainedTokenizerBase) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tok, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
+    h.update((getattr(tok, "chat_template", None) or "").encode())
+    h.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    source_files: list[Path],
+    dtype: torch.dtype,
+    cache_file: Path | None = None,
+) -> str:
+    """A short stable id: sha256 over weights, tokenizer + template, RoPE/shape config, dtype, layout."""
+    cfg = model.config.get_text_config(decoder=True).to_dict()
+    rope = {k: cfg.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")}
+    shape = {
+        k: cfg.get(k)
+        for k in ("model_type", "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "sliding_window")
+    }
+    parts = {
+        "weights": weights_digest(model, source_files, cache_file),
+        "tokenizer": tokenizer_digest(tok),
+        "rope": rope,
+        "shape": shape,
+        "dtype": str(dtype),
+        "layout": LAYOUT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

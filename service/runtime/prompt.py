@@ -1,0 +1,128 @@
+"""Prompt segments: the chat template rendered around skill blocks, tokenized segment by segment.
+
+A skill's ids in the composed prompt are exactly its precompiled ids (it is tokenized alone), and
+the full-recompute reference runs over the identical id sequence, so the two modes always compare
+like with like. User-supplied text (system, skills, turns) is tokenized with special tokens split,
+so text that spells `<|im_start|>` cannot forge prompt structure; only the template emits specials.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+_SENTINEL = "\x00{}\x00"
+_SENTINEL_RE = re.compile("\x00(\\d+)\x00")
+BLOCK_JOINER = "\n\n"  # between the system text, skill blocks and errata in the system turn
+
+
+@dataclass
+class Segment:
+    kind: Literal["text", "skill"]
+    ids: list[int]
+    skill_index: int | None = None  # index into the request's skill list
+
+
+@dataclass
+class PromptPlan:
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+    def skill_offsets(self) -> list[int]:
+        """Position of the first token of each skill segment, in segment order."""
+        out, pos = [], 0
+        for s in self.segments:
+            if s.kind == "skill":
+                out.append(pos)
+            pos += len(s.ids)
+        return out
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tok = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def encode_content(self, text: str) -> list[int]:
+        """User-supplied text -> ids, with special-token spellings kept as plain text."""
+        return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def _encode_template_text(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def build(
+        self,
+        messages: list[dict[str, str]],
+        skill_ids: list[list[int]],
+        errata: list[str] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> PromptPlan:
+        """Lay skills (then errata lines) into the system turn and render the conversation.
+
+        `messages`: OpenAI-style [{"role", "content"}], an optional leading system message.
+        `skill_ids`: each skill's precompiled token ids, in request order.
+        """
+        pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
+
+        def sentinel(kind: str, value: object) -> str:
+            pieces.append((kind, value))
+            return _SENTINEL.format(len(pieces) - 1)
+
+        msgs = [dict(m) for m in messages]
+        system_text = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else None
+        sys_parts = [sentinel("content", system_text)] if system_text else []
+        sys_parts += [sentinel("skill", i) for i in range(len(skill_ids))]
+        sys_parts += [sentinel("content", line) for line in errata or []]
+        body = [{"role": m["role"], "content": sentinel("content", m["content"])} for m in msgs]
+        rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt)
+
+        plan = PromptPlan()
+        cursor = 0
+        for match in _SENTINEL_RE.finditer(rendered):
+            self._add_text(plan, rendered[cursor : match.start()])
+            kind, value = pieces[int(match.group(1))]
+            if kind == "skill":
+                plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))
+            else:
+                self._add_text(plan, value, content=True)
+            cursor = match.end()
+        self._add_text(plan, rendered[cursor:])
+        return plan
+
+    def _add_text(self, plan: PromptPlan, text: str, content: bool = False) -> None:
+        if not text:
+            return
+        ids = self.encode_content(text) if content else self._encode_template_text(text)
+        if plan.segments and plan.segments[-1].kind == "text":
+            plan.segments[-1].ids.extend(ids)
+        else:
+            plan.segments.append(Segment("text", ids))
+
+    def _render(self, system: str | None, body: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not self.has_template:
+            bos = self.tok.bos_token or ""
+            turns = ([system] if system else []) + [m["content"] for m in body]
+            return bos + BLOCK_JOINER.join(turns) + ("\n" if add_generation_prompt else "")
+        conv = ([{"role": "system", "content": system}] if system else []) + body
+        try:
+            return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception:
+            if not system:
+                raise
+            # Templates without a system role (Gemma): the system text leads the first user turn.
+            first = next((i for i, m in enumerate(body) if m["role"] == "user"), None)
+            if first is None:
+                raise
+            body = [dict(m) for m in body]
+            body[first]["content"] = system + BLOCK_JOINER + body[first]["content"]
+            return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt)

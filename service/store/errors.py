@@ -1,0 +1,42 @@
+"""Store exceptions. Each carries a stable `error_type` that the API layer maps to HTTP."""
+
+from __future__ import annotations
+
+# Stable reasons for CorruptBlock (also the `reason` label of STORE_CORRUPT).
+REASON_FORMAT = "format"  # not a parsable safetensors payload / manifest, or fields missing
+REASON_LAYOUT = "layout"  # stored layout_version differs from the key's
+REASON_FINGERPRINT = "fingerprint"  # stored model fingerprint differs from the key's
+REASON_KEY = "key"  # stored namespace / content hash differs from the key's
+REASON_SHAPE = "shape"  # tensor names, ranks or sizes inconsistent
+REASON_DTYPE = "dtype"  # tensors of mixed or unexpected dtype
+REASON_CHECKSUM = "checksum"  # tensor bytes do not match the stored sha256
+REASON_CHUNKS = "chunks"  # Redis: a chunk missing, or size / sha256 of the payload wrong
+
+
+class StoreError(Exception):
+    """Base of every store error."""
+
+    error_type: str = "store_error"
+
+
+class StoreUnavailable(StoreError):
+    """A backend cannot be reached (Redis down, timeout, unreadable disk)."""
+
+    error_type = "store_unavailable"
+
+
+class StoreWriteError(StoreError):
+    """A backend refused a write (disk full, read-only, permission, Redis OOM). Reads may still work."""
+
+    error_type = "store_write_failed"
+
+
+class CorruptBlock(StoreError):
+    """A stored block failed verification. `reason` is one of the REASON_* strings."""
+
+    error_type = "corrupt_block"
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"corrupt block ({reason}){': ' + detail if detail else ''}")
+        self.reason = reason
+        self.detail = detail
