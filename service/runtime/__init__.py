@@ -1,0 +1,18 @@
+"""The only stage that touches the model: loading, fingerprint, prompts, prefill, decoding."""
+
+from __future__ import annotations
+
+from service.config import Settings
+
+
+def build_runtime(settings: Settings):
+    """Load the configured model and return a ModelRuntime with its fingerprint."""
+    from service.runtime.engine import ModelRuntime
+    from service.runtime.fingerprint import model_fingerprint
+    from service.runtime.loader import load_model
+
+    loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype)
+    fp = model_fingerprint(
+        loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, settings.home / "fingerprints.json"
+    )
+    return ModelRuntime(loaded, fp)

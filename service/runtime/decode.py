@@ -3,34 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from service.runtime.engine import ModelRuntime, PrefillResult
-
-
-@dataclass
-class GenParams:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # top-k of the first generated position
-
-
-@dataclass
-class Delta:
-    text: str
-
-
-@dataclass
-class Done:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    text: str
-    token_ids: list[int]
-    top_logprobs: list[tuple[str, float]] | None = None
+from service.runtime.params import Delta, Done, GenParams
 
 
 def sample_token(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None) -> int:

@@ -1,0 +1,27 @@
+"""FastAPI dependencies: the app state, the pipeline, the caller's namespace."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.pipeline import ComposePipeline
+from service.state import DEFAULT_NAMESPACE, AppState
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.skillcache
+
+
+def get_pipeline(state: Annotated[AppState, Depends(get_state)]) -> ComposePipeline:
+    return state.require_pipeline()
+
+
+def get_namespace() -> str:
+    return DEFAULT_NAMESPACE
+
+
+State = Annotated[AppState, Depends(get_state)]
+Pipeline = Annotated[ComposePipeline, Depends(get_pipeline)]
+Namespace = Annotated[str, Depends(get_namespace)]

@@ -1,0 +1,137 @@
+"""OpenAI-compatible chat completions (plus extra body fields `skills`, `fields`) and /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from service.api.deps import Namespace, Pipeline, State
+from service.api.routes.compose import gen_params
+from service.api.schemas import ErrorResponse, GenerationIn, SkillName, SkillRefIn, Text
+from service.api.sse import sse_response
+from service.errors import InvalidRequest
+from service.pipeline import ComposeParams, Final, SkillRef
+from service.runtime.params import Delta
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(GenerationIn):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    n: int = Field(1, ge=1, le=1)
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    skills: list[SkillName | SkillRefIn] = Field(default_factory=list, max_length=256)
+    fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = None
+    mode: Literal["compose", "full"] = "compose"
+    seam_tokens: int | None = Field(None, ge=0, le=4096)
+
+
+def _params(body: ChatRequest, ns: str) -> ComposeParams:
+    messages = []
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        if role == "system" and i > 0:
+            raise InvalidRequest("only the first message may be a system (or developer) message")
+        messages.append({"role": role, "content": m.text()})
+    if messages[-1]["role"] != "user":
+        raise InvalidRequest("the last message must be from the user")
+    body.max_tokens = body.max_completion_tokens or body.max_tokens or 256
+    k = (body.top_logprobs or 1) if body.logprobs else None
+    refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
+    return ComposeParams(
+        skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, k),
+        mode=body.mode, seam_tokens=body.seam_tokens, namespace=ns,
+    )
+
+
+def _usage(final: Final) -> dict:
+    u = final.usage
+    return {
+        "prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+        "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": u["reused_tokens"]},
+    }
+
+
+def _finish(final: Final) -> str:
+    return "length" if final.done.finish_reason == "length" else "stop"
+
+
+def _logprobs(final: Final) -> dict | None:
+    top = final.done.top_logprobs
+    if not top:
+        return None
+    tops = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]
+    return {"content": [{**tops[0], "top_logprobs": tops}]}
+
+
+@router.post("/chat/completions", responses=_ERRORS)
+async def chat_completions(body: ChatRequest, pipeline: Pipeline, state: State, ns: Namespace):
+    params = _params(body, ns)
+    prep = await pipeline.prepare(params)
+    events = await pipeline.start(prep)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.runtime.loaded.name
+    head = {"id": cid, "created": created, "model": model}
+    if not body.stream:
+        final = None
+        async for ev in events:
+            final = ev
+        choice = {"index": 0, "message": {"role": "assistant", "content": final.done.text},
+                  "finish_reason": _finish(final), "logprobs": _logprobs(final)}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(final),
+                "skillcache": {"timings": final.timings, "skills": final.skills, "edits": final.edits}}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk = {**head, "object": "chat.completion.chunk"}
+    first = [True]
+
+    def to_json(ev):
+        if isinstance(ev, Delta):
+            delta = {"content": ev.text}
+            if first[0]:
+                delta, first[0] = {"role": "assistant", **delta}, False
+            return [{**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}]
+        out = [{**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish(ev),
+                                      "logprobs": _logprobs(ev)}]}]
+        if include_usage:
+            out.append({**chunk, "choices": [], "usage": _usage(ev)})
+        return out
+
+    return sse_response(events, to_json, on_error=lambda e: {"error": e})
+
+
+@router.get("/models")
+async def list_models(state: State):
+    rt = state.runtime
+    name = rt.loaded.name if rt is not None else state.settings.model
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started_at),
+                                        "owned_by": "skillcache"}]}

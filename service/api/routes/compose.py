@@ -1,0 +1,59 @@
+"""POST /v1/compose: skills + a user turn -> text (JSON or server-sent events)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import Namespace, Pipeline
+from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
+from service.api.sse import sse_response
+from service.pipeline import ComposeParams, Final, SkillRef
+from service.runtime.params import Delta, GenParams
+
+router = APIRouter(prefix="/v1", tags=["compose"])
+_ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
+
+
+def gen_params(body, logprobs: int | None = None) -> GenParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return GenParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop, logprobs)
+
+
+def _params(body: ComposeRequest, ns: str) -> ComposeParams:
+    refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
+    messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+        {"role": "user", "content": body.user}
+    ]
+    return ComposeParams(
+        skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, body.logprobs),
+        mode=body.mode, seam_tokens=body.seam_tokens, edit_mode=body.edit_mode, namespace=ns,
+    )
+
+
+def _final_json(final: Final, text: str | None = None) -> dict:
+    out = {
+        "finish_reason": final.done.finish_reason, "usage": final.usage, "timings": final.timings,
+        "skills": final.skills, "edits": final.edits,
+    }
+    if text is not None:
+        out = {"text": text, **out}
+    if final.done.top_logprobs is not None:
+        out["logprobs"] = [{"token": t, "logprob": lp} for t, lp in final.done.top_logprobs]
+    return out
+
+
+@router.post("/compose", response_model=ComposeResponse, responses=_ERRORS)
+async def compose(body: ComposeRequest, pipeline: Pipeline, ns: Namespace):
+    prep = await pipeline.prepare(_params(body, ns))
+    events = await pipeline.start(prep)
+    if body.stream:
+        def to_json(ev):
+            if isinstance(ev, Delta):
+                return [{"type": "delta", "text": ev.text}]
+            return [{"type": "done", **_final_json(ev)}]
+
+        return sse_response(events, to_json)
+    final = None
+    async for ev in events:
+        final = ev
+    return _final_json(final, final.done.text)

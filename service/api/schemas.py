@@ -1,0 +1,117 @@
+"""Request and response bodies. Pydantic validates shape; the stages validate meaning."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from service.registry.skill import NAME_PATTERN
+
+SkillName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+Text = Annotated[str, StringConstraints(max_length=1_000_000)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class SkillCreate(Strict):
+    name: SkillName = Field(description=f"Skill name, pattern {NAME_PATTERN}")
+    text: Text = Field(min_length=1, description="The block's text; may refer to fields as {{field}}")
+    description: Annotated[str, StringConstraints(max_length=2000)] | None = None
+    fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = Field(
+        None, max_length=64, description="Mutable fields: name -> default value"
+    )
+
+
+class SkillOut(BaseModel):
+    name: str
+    version: int
+    content_hash: str
+    n_tokens: int
+    description: str | None = None
+    fields: dict[str, str] = {}
+    text: str
+    created_at: float
+    compiled: bool = False
+    versions: list[int] = []
+
+
+class SkillList(BaseModel):
+    skills: list[SkillOut]
+
+
+class SkillDeleted(BaseModel):
+    deleted: str
+    versions: list[int]
+
+
+class SkillRefIn(Strict):
+    name: SkillName
+    version: int | None = Field(None, ge=1)
+
+
+class GenerationIn(Strict):
+    max_tokens: int = Field(128, ge=1, le=1_000_000)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=256)]] | str | None = None
+    stream: bool = False
+
+
+class ComposeRequest(GenerationIn):
+    skills: list[SkillName | SkillRefIn] = Field(default_factory=list, max_length=256)
+    system: Text | None = None
+    user: Text = Field(min_length=1)
+    fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = Field(None, max_length=256)
+    mode: Literal["compose", "full"] = "compose"
+    seam_tokens: int | None = Field(None, ge=0, le=4096)
+    logprobs: int | None = Field(None, ge=1, le=20)
+    edit_mode: Literal["erratum"] = "erratum"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    ttft_ms: float
+    compose_ms: float
+    store_ms: float
+    total_ms: float
+
+
+class SkillUse(BaseModel):
+    name: str
+    version: int
+    content_hash: str
+    source: Literal["memory", "disk", "redis", "compiled"]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+
+
+class ComposeResponse(BaseModel):
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    skills: list[SkillUse]
+    edits: list[dict[str, Any]] = []
+    logprobs: list[TopLogprob] | None = None

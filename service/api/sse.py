@@ -1,0 +1,34 @@
+"""Server-sent events: `data: <json>` frames, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from service.api.errors import error_payload
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def frame(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[Any], to_json: Callable[[Any], list[dict]],
+                 on_error: Callable[[dict], dict] = lambda e: {"type": "error", "error": e}) -> StreamingResponse:
+    """Stream `events`, each mapped by `to_json` to zero or more JSON frames. An error after the
+    stream began is sent as one error frame (the status line is already out)."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for ev in events:
+                for obj in to_json(ev):
+                    yield frame(obj)
+        except Exception as e:  # noqa: BLE001 - reported in-band, the stream is already open
+            yield frame(on_error(error_payload(e)))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

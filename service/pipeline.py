@@ -1,0 +1,183 @@
+"""The request's way through: registry -> store -> kv/runtime (in the worker) -> events for the API.
+
+Everything that can fail (validation, unknown skill, fields, compile, store, length) happens in
+`prepare`, before a response starts; `start` then waits for the first event so prefill errors too
+become ordinary error responses instead of broken streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from service import metrics
+from service.config import Settings
+from service.errors import InvalidField, InvalidRequest, LimitExceeded
+from service.registry.registry import SkillRegistry
+from service.registry.skill import SkillRecord
+from service.runtime.params import Delta, Done, GenParams
+from service.runtime.worker import InferenceWorker
+from service.store.tiered import TieredStore
+
+if TYPE_CHECKING:
+    from service.runtime.engine import ModelRuntime, PrefillResult
+
+ERRATUM_TEMPLATE = (
+    "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."
+)
+
+
+@dataclass
+class SkillRef:
+    name: str
+    version: int | None = None
+
+
+@dataclass
+class ComposeParams:
+    skills: list[SkillRef]
+    messages: list[dict[str, str]]  # OpenAI-style, optional leading system message
+    fields: dict[str, str] = field(default_factory=dict)
+    gen: GenParams = field(default_factory=GenParams)
+    mode: str = "compose"
+    seam_tokens: int | None = None
+    edit_mode: str = "erratum"
+    namespace: str = "default"
+
+
+@dataclass
+class Prepared:
+    params: ComposeParams
+    records: list[SkillRecord]
+    blocks: list
+    sources: list[str]
+    errata: list[str]
+    plan: object
+    t_start: float
+    store_ms: float
+
+
+@dataclass
+class Final:
+    """The last event of a request: what the API reports besides the text."""
+
+    done: Done
+    usage: dict
+    timings: dict
+    skills: list[dict]
+    edits: list[dict]
+
+
+class ComposePipeline:
+    def __init__(self, settings: Settings, runtime: ModelRuntime, registry: SkillRegistry,
+                 store: TieredStore, worker: InferenceWorker) -> None:
+        self.settings = settings
+        self.rt = runtime
+        self.registry = registry
+        self.store = store
+        self.worker = worker
+
+    async def block_for(self, namespace: str, text: str):
+        """The block of exactly `text` (from a tier, or compiled once in the worker)."""
+        ids = self.rt.prompts.encode_content(text)
+        key = self.registry.block_key(namespace, text)
+
+        async def compile_fn():
+            t0 = time.perf_counter()
+            block = await self.worker.run(lambda cancelled: self.rt.compile_block(ids))
+            metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
+            return block
+
+        block, source = await self.store.get_or_compile(key, compile_fn)
+        metrics.SKILL_HITS.labels(source).inc()
+        return block, source
+
+    async def prepare(self, p: ComposeParams) -> Prepared:
+        t0 = time.perf_counter()
+        if len(p.skills) > self.settings.max_skills_per_request:
+            raise LimitExceeded(
+                f"{len(p.skills)} skills requested; the limit is {self.settings.max_skills_per_request} "
+                "(SKILLCACHE_MAX_SKILLS_PER_REQUEST)"
+            )
+        if p.gen.max_tokens > self.settings.max_tokens_cap:
+            raise LimitExceeded(f"max_tokens {p.gen.max_tokens} exceeds the cap {self.settings.max_tokens_cap}")
+        records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
+        if len({r.name for r in records}) != len(records):
+            raise InvalidRequest("a skill may appear only once per request")
+        errata = self._errata(records, p.fields)
+        blocks, sources = [], []
+        for rec in records:
+            block, source = await self.block_for(p.namespace, rec.default_text)
+            blocks.append(block)
+            sources.append(source)
+        store_ms = (time.perf_counter() - t0) * 1e3
+        metrics.STAGE.labels("store").observe(store_ms / 1e3)
+        plan = self.rt.prompts.build(p.messages, [b.token_ids for b in blocks], errata=errata)
+        self.rt.check_length(plan.n_tokens, p.gen.max_tokens, "full" if p.mode == "full" else "compose")
+        return Prepared(p, records, blocks, sources, errata, plan, t0, store_ms)
+
+    def _errata(self, records: list[SkillRecord], values: dict[str, str]) -> list[str]:
+        declared = {f: r.fields[f] for r in records for f in r.fields}
+        unknown = sorted(set(values) - set(declared))
+        if unknown:
+            raise InvalidField(
+                f"unknown fields {unknown}; the requested skills declare {sorted(declared) or 'no fields'}"
+            )
+        return [
+            ERRATUM_TEMPLATE.format(field=f, value=v) for f, v in values.items() if declared[f] != v
+        ]
+
+    async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
+        """Submit to the worker and wait for the first event; returns the event stream."""
+        p = prep.params
+        seam = self.settings.seam_tokens if p.seam_tokens is None else p.seam_tokens
+        mode = "full" if p.mode == "full" else "compose"
+        box: dict = {}
+
+        from service.runtime.decode import generate  # torch: loaded with the runtime, not the API
+
+        def work(cancelled):
+            pre: PrefillResult = self.rt.prefill(prep.plan, prep.blocks, mode=mode, seam_tokens=seam)
+            box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
+            box["pre"] = pre
+            yield from generate(self.rt, pre, p.gen, cancelled)
+
+        job = self.worker.submit(work)
+        stream = job.stream()
+        first = await anext(stream)  # prefill errors surface here, before any byte is sent
+        return self._events(prep, first, stream, box, mode)
+
+    async def _events(self, prep: Prepared, first, stream, box, mode) -> AsyncIterator[Delta | Final]:
+        item = first
+        while True:
+            if isinstance(item, Done):
+                yield self._final(prep, item, box, mode)
+                return
+            yield item
+            item = await anext(stream)
+
+    def _final(self, prep: Prepared, done: Done, box: dict, mode: str) -> Final:
+        pre: PrefillResult = box["pre"]
+        total_ms = (time.perf_counter() - prep.t_start) * 1e3
+        metrics.TTFT.labels(mode).observe(box["ttft_ms"] / 1e3)
+        metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
+        metrics.STAGE.labels("decode").observe((total_ms - box["ttft_ms"]) / 1e3)
+        metrics.TOKENS.labels("reused").inc(pre.n_reused)
+        metrics.TOKENS.labels("recomputed").inc(pre.n_recomputed)
+        usage = {
+            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused,
+            "recomputed_tokens": pre.n_recomputed, "completion_tokens": len(done.token_ids),
+        }
+        timings = {
+            "ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
+            "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
+        }
+        skills = [
+            {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s}
+            for r, s in zip(prep.records, prep.sources)
+        ]
+        edits = [{"mode": "erratum", "line": line} for line in prep.errata]
+        return Final(done, usage, timings, skills, edits)
+

@@ -1,0 +1,115 @@
+"""AppState: builds and owns the stages for one process; the model loads in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+from service.errors import NotReady, ServiceError
+from service.pipeline import ComposePipeline
+from service.registry.registry import SkillRegistry
+from service.runtime.worker import InferenceWorker
+from service.store.factory import build_store
+
+log = logging.getLogger(__name__)
+DEFAULT_NAMESPACE = "default"
+
+
+class AppState:
+    def __init__(self, settings: Settings, runtime: Any | None = None) -> None:
+        self.settings = settings
+        self.runtime = runtime  # injected by tests; otherwise loaded in the background
+        self.store, self.definitions = build_store(settings)
+        self.worker = InferenceWorker(settings.queue_size)
+        self.registry: SkillRegistry | None = None
+        self.pipeline: ComposePipeline | None = None
+        self.selfcheck: dict | None = None
+        self.load_error: str | None = None
+        self.preload: dict[str, Any] = {}
+        self.started_at = time.time()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._load())
+
+    async def wait_ready(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def _load(self) -> None:
+        try:
+            if self.runtime is None:
+                from service.runtime import build_runtime
+
+                self.runtime = await asyncio.to_thread(build_runtime, self.settings)
+            from service.runtime.selfcheck import run_selfcheck
+
+            report = await self.worker.run(lambda cancelled: run_selfcheck(self.runtime))
+            self.selfcheck = report.to_dict()
+            if not report.ok:
+                log.error("self-check failed: %s", self.selfcheck)
+                return
+            rt = self.runtime
+            self.registry = SkillRegistry(
+                self.definitions, lambda text: len(rt.prompts.encode_content(text)), rt.fingerprint,
+                self.settings.max_skill_tokens,
+            )
+            self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
+            await self._preload_skills()
+        except Exception as e:
+            log.exception("startup failed")
+            self.load_error = f"{type(e).__name__}: {e}"
+
+    async def _preload_skills(self) -> None:
+        folder = self.settings.skills_dir
+        if not folder or not Path(folder).is_dir():
+            return
+        from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+
+        for path in iter_skill_files(Path(folder)):
+            try:
+                spec = parse_skill_file(path)
+                rec, _ = await self.registry.register(
+                    DEFAULT_NAMESPACE, spec["name"], spec["text"], spec.get("description"), spec.get("fields"),
+                )
+                await self.pipeline.block_for(DEFAULT_NAMESPACE, rec.default_text)
+                self.preload[rec.name] = {"version": rec.version, "n_tokens": rec.n_tokens}
+            except (ServiceError, ValueError, OSError) as e:
+                log.error("skill file %s not loaded: %s", path, e)
+                self.preload[str(path)] = {"error": str(e)}
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline is not None
+
+    def require_pipeline(self) -> ComposePipeline:
+        if self.pipeline is None:
+            raise NotReady(self.load_error or "the model is still loading; retry when /readyz says ready")
+        return self.pipeline
+
+    async def readiness(self) -> tuple[bool, dict]:
+        tiers = await self.store.health()
+        definitions_ok = await self.definitions.ping()
+        rt = self.runtime
+        details = {
+            "model": getattr(getattr(rt, "loaded", None), "name", None),
+            "model_fingerprint": getattr(rt, "fingerprint", None),
+            "model_loaded": rt is not None,
+            "selfcheck": self.selfcheck,
+            "store": tiers,
+            "definitions": "ok" if definitions_ok else "down",
+            "skills_preloaded": self.preload,
+            "error": self.load_error,
+        }
+        return self.ready and definitions_ok, details
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self.worker.stop()
+        await self.store.close()
+        await self.definitions.close()
