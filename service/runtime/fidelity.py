@@ -1,0 +1,49 @@
+"""Compose vs the token-identical full recompute: logit cosine, top-1, KL, greedy continuation match."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from service.kv.block import KVBlock
+from service.runtime.decode import Done, GenParams, generate
+from service.runtime.engine import ModelRuntime
+from service.runtime.prompt import PromptPlan
+
+
+@dataclass
+class Fidelity:
+    cosine: float  # first-token logits
+    top1_agree: bool
+    kl: float  # KL(full || compose) of the first-token distribution
+    greedy_match: bool | None  # identical greedy continuation of n_greedy tokens
+    greedy_prefix: int | None  # tokens before the first divergence
+    n_prompt: int
+    n_reused: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _greedy(rt: ModelRuntime, pre, n: int) -> list[int]:
+    done = [ev for ev in generate(rt, pre, GenParams(max_tokens=n)) if isinstance(ev, Done)][0]
+    return done.token_ids
+
+
+def compare(
+    rt: ModelRuntime, plan: PromptPlan, blocks: list[KVBlock], seam_tokens: int, n_greedy: int = 0
+) -> Fidelity:
+    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=seam_tokens)
+    full = rt.prefill(plan, blocks, mode="full")
+    a, b = comp.logits.float(), full.logits.float()  # [V]
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    kl = float(torch.nn.functional.kl_div(torch.log_softmax(a, -1), torch.log_softmax(b, -1),
+                                          log_target=True, reduction="sum"))
+    match = prefix = None
+    if n_greedy:
+        g_full = _greedy(rt, full, n_greedy)
+        g_comp = _greedy(rt, comp, n_greedy)
+        match = g_full == g_comp
+        prefix = next((i for i, (x, y) in enumerate(zip(g_full, g_comp)) if x != y), min(len(g_full), len(g_comp)))
+    return Fidelity(cos, bool(a.argmax() == b.argmax()), kl, match, prefix, plan.n_tokens, comp.n_reused)

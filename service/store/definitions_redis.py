@@ -1,0 +1,107 @@
+"""RedisDefinitionStore: skill definitions in Redis (a hash of versions per skill + a set of names)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from redis.exceptions import WatchError
+
+from service.store.definitions import DefinitionStore, check_version, dump_doc
+from service.store.errors import StoreUnavailable
+from service.store.key import check_name
+from service.store.redisconn import guard, make_client, redacted
+
+log = logging.getLogger(__name__)
+
+
+class RedisDefinitionStore(DefinitionStore):
+    """Keys `<prefix>:def:{<ns>}:names` (set) and `<prefix>:def:{<ns>}:skill:<name>` (hash version -> JSON).
+
+    Both keys of a namespace share a hash tag, so MULTI/EXEC works on Redis Cluster too. Durability
+    is Redis's: run it with appendonly yes (or RDB snapshots you accept losing the tail of).
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, prefix: str = "skillcache", *, connect_timeout_s: float = 2.0,
+                 op_timeout_s: float = 5.0) -> None:
+        self.where = redacted(url)
+        self.prefix = check_name(prefix, "prefix")
+        self._r = make_client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
+                              decode_responses=True)
+
+    def _names_key(self, namespace: str) -> str:
+        return f"{self.prefix}:def:{{{check_name(namespace, 'namespace')}}}:names"
+
+    def _skill_key(self, namespace: str, name: str) -> str:
+        return f"{self.prefix}:def:{{{check_name(namespace, 'namespace')}}}:skill:{check_name(name, 'name')}"
+
+    def _guard(self, write: bool = False) -> AbstractAsyncContextManager[None]:
+        return guard(self.where, "redis_definitions", write=write)
+
+    @staticmethod
+    def _latest(versions: dict[str, str]) -> dict[str, Any] | None:
+        if not versions:
+            return None
+        return json.loads(versions[max(versions, key=int)])
+
+    async def put(self, namespace: str, name: str, version: int, doc: dict[str, Any]) -> None:
+        data, skill, names = dump_doc(doc), self._skill_key(namespace, name), self._names_key(namespace)
+        async with self._guard(write=True):
+            pipe = self._r.pipeline(transaction=True)  # MULTI ... EXEC
+            pipe.hset(skill, str(check_version(version)), data)
+            pipe.sadd(names, name)
+            await pipe.execute()
+
+    async def get(self, namespace: str, name: str, version: int | None = None) -> dict[str, Any] | None:
+        skill = self._skill_key(namespace, name)
+        async with self._guard():
+            if version is None:
+                return self._latest(await self._r.hgetall(skill))
+            raw = await self._r.hget(skill, str(check_version(version)))
+        return json.loads(raw) if raw is not None else None
+
+    async def list(self, namespace: str) -> list[dict[str, Any]]:
+        names_key = self._names_key(namespace)
+        async with self._guard():
+            names = sorted(await self._r.smembers(names_key))
+            pipe = self._r.pipeline(transaction=False)
+            for n in names:
+                pipe.hgetall(self._skill_key(namespace, n))
+            results = await pipe.execute() if names else []
+        return [doc for r in results if (doc := self._latest(r)) is not None]
+
+    async def versions(self, namespace: str, name: str) -> list[int]:
+        async with self._guard():
+            return sorted(int(v) for v in await self._r.hkeys(self._skill_key(namespace, name)))
+
+    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        skill, names = self._skill_key(namespace, name), self._names_key(namespace)
+        async with self._guard(write=True):
+            async with self._r.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(skill)  # a concurrent put of a new version restarts the delete
+                        versions = await pipe.hgetall(skill)
+                        pipe.multi()
+                        pipe.delete(skill)
+                        pipe.srem(names, name)
+                        await pipe.execute()
+                        break
+                    except WatchError:
+                        continue
+        return [json.loads(versions[v]) for v in sorted(versions, key=int)]
+
+    async def ping(self) -> bool:
+        try:
+            async with self._guard():
+                await self._r.ping()
+            return True
+        except StoreUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self._r.aclose()

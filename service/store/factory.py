@@ -1,0 +1,44 @@
+"""build_store: the block tiers and the definition store that settings.store asks for."""
+
+from __future__ import annotations
+
+import logging
+
+from service.config import Settings
+from service.store.base import BlockStore
+from service.store.definitions import DefinitionStore, DiskDefinitionStore, MemoryDefinitionStore
+from service.store.definitions_redis import RedisDefinitionStore
+from service.store.disk import DiskBlockStore
+from service.store.memory import MemoryBlockStore
+from service.store.redis import RedisBlockStore
+from service.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def build_store(settings: Settings, *, redis_connect_timeout_s: float = 2.0, redis_op_timeout_s: float = 5.0,
+                retry_interval_s: float = 2.0) -> tuple[TieredStore, DefinitionStore]:
+    """memory: memory tier + in-memory definitions (tests).
+    disk (default): memory + disk (<store_dir>/blocks); definitions on disk (<store_dir>/skills).
+    redis: memory + disk + redis; definitions in Redis.
+    Nothing connects here: Redis is reached on first use, so a down Redis does not block startup.
+    """
+    tiers: list[BlockStore] = [MemoryBlockStore(settings.memory_cache_bytes)]
+    definitions: DefinitionStore
+    if settings.store == "memory":
+        definitions = MemoryDefinitionStore()
+    else:
+        tiers.append(DiskBlockStore(settings.store_dir / "blocks"))
+        if settings.store == "redis":
+            tiers.append(RedisBlockStore(
+                settings.redis_url, chunk_bytes=settings.redis_chunk_bytes, ttl_s=settings.redis_ttl_s,
+                connect_timeout_s=redis_connect_timeout_s, op_timeout_s=redis_op_timeout_s,
+            ))
+            definitions = RedisDefinitionStore(
+                settings.redis_url, connect_timeout_s=redis_connect_timeout_s, op_timeout_s=redis_op_timeout_s,
+            )
+        else:
+            definitions = DiskDefinitionStore(settings.store_dir / "skills")
+    store = TieredStore(tiers, lock_timeout_s=settings.compile_lock_timeout_s, retry_interval_s=retry_interval_s)
+    log.info("store: tiers %s, definitions in %s", [t.name for t in tiers], definitions.name)
+    return store, definitions

@@ -1,0 +1,115 @@
+"""deploy/prometheus/alerts.yml: the required alerts exist, and every series and label they use is one that
+service/metrics.py defines (read with ast, so a renamed metric breaks this test, not a silent alert)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+
+import pytest
+
+from deploy_helpers import REPO, load_yaml, tool
+
+ALERTS_FILE = REPO / "deploy" / "prometheus" / "alerts.yml"
+RULES = [r for g in load_yaml(ALERTS_FILE)["groups"] for r in g["rules"]]
+BY_NAME = {r["alert"]: r for r in RULES}
+
+
+def defined_metrics() -> dict[str, tuple[str, set[str]]]:
+    """{series name: (type, labels)} from service/metrics.py, histogram and counter suffixes included."""
+    tree = ast.parse((REPO / "service" / "metrics.py").read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        kind = node.func.id
+        if kind not in ("Counter", "Gauge", "Histogram", "Summary") or not node.args:
+            continue
+        name = ast.literal_eval(node.args[0])
+        labels = set()
+        if len(node.args) >= 3:
+            labels = set(ast.literal_eval(node.args[2]))
+        for kw in node.keywords:
+            if kw.arg == "labelnames":
+                labels = set(ast.literal_eval(kw.value))
+        if kind == "Counter":
+            base = name.removesuffix("_total")
+            series = [base + "_total", base + "_created"]
+        elif kind in ("Histogram", "Summary"):
+            series = [name + s for s in ("_bucket", "_count", "_sum", "_created")]
+            labels = labels | ({"le"} if kind == "Histogram" else {"quantile"})
+        else:
+            series = [name]
+        for s in series:
+            out[s] = (kind, labels)
+    return out
+
+
+METRICS = defined_metrics()
+TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape, not by the service
+
+
+def test_metrics_module_was_read():
+    assert "skillcache_ttft_seconds_bucket" in METRICS
+    assert "skillcache_requests_total" in METRICS
+    assert METRICS["skillcache_store_up"] == ("Gauge", {"tier"})
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
+def test_rule_shape(rule):
+    assert re.fullmatch(r"Skillcache[A-Za-z0-9]+", rule["alert"])
+    assert rule["expr"].strip()
+    assert re.fullmatch(r"\d+[smh]", rule["for"])
+    assert rule["labels"]["severity"] in ("warning", "critical")
+    assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
+def test_rule_uses_defined_series_and_labels(rule):
+    expr = rule["expr"]
+    names = set(re.findall(r"\bskillcache_[a-z_]+\b", expr))
+    assert names, "every rule is about skillcache series"
+    allowed_labels = set(TARGET_LABELS)
+    for name in names:
+        assert name in METRICS, f"{name} is not defined in service/metrics.py"
+        allowed_labels |= METRICS[name][1]
+    used = set()
+    for selector in re.findall(r"\{([^}]*)\}", expr):
+        used |= set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)", selector))
+    for group in re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr):
+        used |= {label.strip() for label in group.split(",") if label.strip()}
+    assert used <= allowed_labels, f"labels {used - allowed_labels} are not on {names}"
+
+
+def test_required_alerts():
+    ttft = BY_NAME["SkillcacheTTFTHigh"]["expr"]
+    assert "histogram_quantile(0.95" in ttft and "skillcache_ttft_seconds_bucket" in ttft
+    errors = BY_NAME["SkillcacheErrorRateHigh"]["expr"]
+    assert "status=~\"5..\"" in errors and "skillcache_requests_total{route!~" in errors
+    hits = BY_NAME["SkillcacheSkillHitRatioLow"]["expr"]
+    assert 'skillcache_skill_hits_total{tier!="compiled"}' in hits
+    assert BY_NAME["SkillcacheRedisDown"]["expr"].strip() == 'skillcache_store_up{tier="redis"} == 0'
+    assert BY_NAME["SkillcacheRedisDown"]["labels"]["severity"] == "critical"
+    assert "skillcache_queue_depth" in BY_NAME["SkillcacheQueueBacklog"]["expr"]
+
+
+def _promtool() -> str:
+    promtool = tool("promtool")
+    if not promtool:
+        pytest.skip("promtool not installed (Debian: apt-get install --no-install-recommends prometheus)")
+    return promtool
+
+
+def test_promtool_check_rules():
+    proc = subprocess.run([_promtool(), "check", "rules", str(ALERTS_FILE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_promtool_unit_tests():
+    """deploy/prometheus/alerts_test.yml: each alert fires on synthetic series, and stays quiet when healthy."""
+    tests = ALERTS_FILE.with_name("alerts_test.yml")
+    tested = {t["alertname"] for case in load_yaml(tests)["tests"] for t in case["alert_rule_test"]}
+    assert tested == set(BY_NAME), f"alerts without a promtool test: {set(BY_NAME) - tested}"
+    proc = subprocess.run([_promtool(), "test", "rules", str(tests)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,359 @@
+"""The Helm chart (deploy/helm/skillcache).
+
+Two layers: checks on values.yaml and the template sources that need no renderer (always run), and checks on
+manifests rendered by Helm itself (skip without a renderer; see conftest.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from deploy_helpers import CHART, NAMESPACE, REPO, RenderError, load_yaml
+
+VALUES = load_yaml(CHART / "values.yaml")
+TEMPLATES = {p.name: p.read_text() for p in (CHART / "templates").iterdir()}
+FULLNAME = "rel-skillcache"
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Without a renderer
+
+
+def test_chart_metadata():
+    chart = load_yaml(CHART / "Chart.yaml")
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "skillcache"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert chart["appVersion"]
+
+
+def test_every_template_kind_is_present():
+    for name in ["deployment.yaml", "service.yaml", "configmap.yaml", "secret.yaml", "pdb.yaml", "hpa.yaml",
+                 "servicemonitor.yaml", "prometheusrule.yaml", "redis.yaml", "_helpers.tpl", "NOTES.txt"]:
+        assert name in TEMPLATES, name
+
+
+def _walk(node, path=()):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, path + (str(k),))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, path + (str(i),))
+    else:
+        yield path, node
+
+
+def test_values_hold_no_secret_material():
+    assert VALUES["apiKeys"]["keys"] == []
+    assert VALUES["apiKeys"]["existingSecret"] == ""
+    assert VALUES["redis"]["external"]["url"] == ""
+    secretish = re.compile(r"(password|passwd|secret|token|key)$", re.I)
+    for path, value in _walk(VALUES):
+        leaf = path[-1]
+        if secretish.search(leaf) and leaf not in {"secretKey", "existingSecretKey"}:
+            assert value in ("", None, [], {}), f"{'.'.join(path)} has a default value: {value!r}"
+    assert not re.search(r"redis://[^\s@]*:[^\s@]+@", (CHART / "values.yaml").read_text()), "password in a URL"
+
+
+def test_values_defaults_that_matter():
+    assert VALUES["replicaCount"] >= 2, "the PDB (minAvailable 1) needs more than one replica"
+    assert VALUES["store"] == "redis"
+    assert VALUES["gpu"] == {"enabled": False, "count": 1, "resourceName": "nvidia.com/gpu", "tolerateTaint": True}
+    assert VALUES["probes"]["startup"]["path"] == "/livez"
+    assert VALUES["probes"]["liveness"]["path"] == "/livez"
+    assert VALUES["probes"]["readiness"]["path"] == "/readyz"
+    startup = VALUES["probes"]["startup"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model conversion needs a long startup"
+    assert VALUES["pdb"] == {"enabled": True, "minAvailable": 1}
+    assert VALUES["autoscaling"]["enabled"] is False
+    assert VALUES["metrics"]["serviceMonitor"]["enabled"] is False
+    assert VALUES["metrics"]["prometheusRule"]["enabled"] is False
+    assert VALUES["redis"]["maxmemoryPolicy"] == "noeviction"
+    assert VALUES["persistence"]["mountPath"] == "/data"
+    assert VALUES["podSecurityContext"]["runAsNonRoot"] is True
+    assert VALUES["podSecurityContext"]["runAsUser"] == 10001
+
+
+def test_templates_reference_what_the_values_define():
+    deployment = TEMPLATES["deployment.yaml"]
+    for ref in [".Values.probes.startup.path", ".Values.probes.readiness.path", ".Values.probes.liveness.path",
+                ".Values.gpu.resourceName", "startupProbe", "readinessProbe", "livenessProbe", "secretName"]:
+        assert ref in deployment, ref
+    assert "appendonly" in TEMPLATES["redis.yaml"]
+    assert "redis.external.url" in TEMPLATES["_helpers.tpl"]
+    assert "skillcache_queue_depth" in TEMPLATES["hpa.yaml"]
+    assert '.Files.Get "files/alerts.yml"' in TEMPLATES["prometheusrule.yaml"]
+
+
+def test_chart_alerts_are_the_prometheus_alerts():
+    source = REPO / "deploy" / "prometheus" / "alerts.yml"
+    copy = CHART / "files" / "alerts.yml"
+    assert copy.read_bytes() == source.read_bytes(), (
+        "deploy/helm/skillcache/files/alerts.yml differs from deploy/prometheus/alerts.yml: "
+        "cp deploy/prometheus/alerts.yml deploy/helm/skillcache/files/alerts.yml"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rendered
+
+
+def test_renderer(helm_renderer):
+    """Reports which renderer ran (or why the rendering tests skip)."""
+    if not helm_renderer.available:
+        pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
+    print(f"rendering with {helm_renderer.name}")
+
+
+def test_defaults(render):
+    r = render()
+    kinds = sorted(r.kinds())
+    assert kinds == sorted(["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
+                            "Service", "Service", "ServiceAccount", "StatefulSet"]), kinds
+    for d in r.docs:
+        assert d["metadata"].get("namespace") in (None, NAMESPACE)
+
+    dep = r.deployment()
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    c = r.container()
+    assert c["command"] == ["python", "-m", "service", "--host", "0.0.0.0", "--port", "8000"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["startupProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert c["envFrom"] == [{"configMapRef": {"name": FULLNAME}}]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    assert c["image"] == "skillcache:0.1.0-cpu"
+    assert "checksum/config" in dep["spec"]["template"]["metadata"]["annotations"]
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+    # SKILLCACHE_HOME is a writable volume (emptyDir by default); the read-only root gets /tmp and $HOME.
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/data"]]["emptyDir"] == {}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert "emptyDir" in volumes[mounts["/home/skillcache"]]
+    assert "api-keys" not in volumes, "no keys configured: nothing to mount"
+
+    config = r.config()
+    assert config["SKILLCACHE_HOME"] == "/data"
+    assert config["SKILLCACHE_STORE"] == "redis"
+    assert config["SKILLCACHE_MODEL"] == "embedded"
+    assert config["SKILLCACHE_REDIS_URL"] == f"redis://{FULLNAME}-redis:6379/0"
+    assert "SKILLCACHE_API_KEYS_FILE" not in config
+    assert all(isinstance(v, str) for v in config.values())
+
+    pdb = r.one("PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert _matches(pdb["spec"]["selector"]["matchLabels"], labels)
+    assert _matches(dep["spec"]["selector"]["matchLabels"], labels)
+    svc = r.one("Service", FULLNAME)
+    assert _matches(svc["spec"]["selector"], labels)
+    assert svc["spec"]["ports"][0]["port"] == 8000 and svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_bundled_redis(render):
+    r = render()
+    sts = r.one("StatefulSet")
+    assert sts["metadata"]["name"] == f"{FULLNAME}-redis"
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    joined = " ".join(str(a) for a in args)
+    assert "--appendonly yes" in joined
+    assert "--appendfsync everysec" in joined
+    assert "--maxmemory-policy noeviction" in joined
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    redis_labels = sts["spec"]["template"]["metadata"]["labels"]
+    app_labels = r.deployment()["spec"]["template"]["metadata"]["labels"]
+    svc = r.one("Service", f"{FULLNAME}-redis")
+    assert _matches(svc["spec"]["selector"], redis_labels)
+    assert not _matches(svc["spec"]["selector"], app_labels)
+    assert not _matches(r.one("Service", FULLNAME)["spec"]["selector"], redis_labels), "app Service hits Redis"
+    netpol = r.one("NetworkPolicy")
+    assert _matches(netpol["spec"]["podSelector"]["matchLabels"], redis_labels)
+    assert _matches(netpol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"], app_labels)
+    # the URL the app gets points at this Service
+    assert r.config()["SKILLCACHE_REDIS_URL"] == f"redis://{svc['metadata']['name']}:6379/0"
+
+
+def test_gpu(render):
+    r = render({"gpu": {"enabled": True}})
+    c = r.container()
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["memory"] == "6Gi", "the GPU limit is added to, not instead of, the limits"
+    assert c["image"] == "skillcache:0.1.0-cuda"
+    assert r.config()["SKILLCACHE_DEVICE"] == "cuda"
+    tolerations = r.deployment()["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+
+    r = render({"gpu": {"enabled": True, "count": 2}, "config": {"SKILLCACHE_DEVICE": "cuda:1"}})
+    assert r.container()["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert r.config()["SKILLCACHE_DEVICE"] == "cuda:1", "an explicit device wins"
+
+
+def test_api_keys_from_existing_secret(render):
+    r = render({"apiKeys": {"existingSecret": "my-keys"}})
+    assert "Secret" not in r.kinds()
+    pod = r.deployment()["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "my-keys"
+    mount = next(m for m in r.container()["volumeMounts"] if m["name"] == "api-keys")
+    assert mount["readOnly"] is True
+    assert r.config()["SKILLCACHE_API_KEYS_FILE"] == f"{mount['mountPath']}/keys.json"
+    assert volume["secret"]["items"] == [{"key": "keys.json", "path": "keys.json"}]
+
+
+def test_api_keys_generated_secret(render):
+    keys = [{"key_sha256": "0" * 64, "namespace": "team-a", "role": "admin"}]
+    r = render({"apiKeys": {"keys": keys}})
+    secret = r.one("Secret")
+    assert json.loads(base64.b64decode(secret["data"]["keys.json"])) == keys
+    volume = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert "0" * 64 not in json.dumps(r.one("ConfigMap")), "key material leaked into the ConfigMap"
+    annotations = r.deployment()["spec"]["template"]["metadata"]["annotations"]
+    rotated = render({"apiKeys": {"keys": [{**keys[0], "role": "user"}]}})
+    assert "checksum/api-keys" in annotations, "changing the keys must roll the pods"
+    assert rotated.deployment()["spec"]["template"]["metadata"]["annotations"]["checksum/api-keys"] \
+        != annotations["checksum/api-keys"]
+
+
+def test_external_redis_url(render):
+    r = render({"redis": {"external": {"url": "redis://shared-redis.infra:6379/3"}}})
+    assert "StatefulSet" not in r.kinds() and "NetworkPolicy" not in r.kinds()
+    assert r.config()["SKILLCACHE_REDIS_URL"] == "redis://shared-redis.infra:6379/3"
+
+
+def test_external_redis_url_from_secret(render):
+    r = render({"redis": {"external": {"existingSecret": "redis-url", "existingSecretKey": "uri"}}})
+    assert "StatefulSet" not in r.kinds()
+    assert "SKILLCACHE_REDIS_URL" not in r.config()
+    env = {e["name"]: e for e in r.container()["env"]}
+    assert env["SKILLCACHE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-url", "key": "uri"}
+
+
+def test_disk_store(render):
+    r = render({"store": "disk", "replicaCount": 1, "persistence": {"enabled": True}})
+    assert "StatefulSet" not in r.kinds()
+    assert r.config()["SKILLCACHE_STORE"] == "disk"
+    assert "SKILLCACHE_REDIS_URL" not in r.config()
+    pvc = r.one("PersistentVolumeClaim")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    data = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert "PodDisruptionBudget" not in r.kinds(), "a minAvailable=1 PDB over one replica blocks node drains"
+
+
+def test_existing_claim(render):
+    r = render({"persistence": {"enabled": True, "existingClaim": "shared-rwx"}})
+    assert "PersistentVolumeClaim" not in r.kinds()
+    data = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"]["claimName"] == "shared-rwx"
+
+
+def test_autoscaling(render):
+    r = render({"autoscaling": {"enabled": True, "queueDepth": {"enabled": True}}})
+    hpa = r.one("HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == r.deployment()["metadata"]["name"]
+    assert "replicas" not in r.deployment()["spec"], "the HPA owns the replica count"
+    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    assert metrics["Pods"]["pods"]["metric"]["name"] == "skillcache_queue_depth"
+    assert metrics["Resource"]["resource"]["name"] == "cpu"
+    assert "PodDisruptionBudget" in r.kinds()
+
+
+def test_monitoring(render):
+    r = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                            "prometheusRule": {"enabled": True}}})
+    sm = r.one("ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    assert _matches(sm["spec"]["selector"]["matchLabels"], r.one("Service", FULLNAME)["metadata"]["labels"])
+    rule = r.one("PrometheusRule")
+    plain = load_yaml(REPO / "deploy" / "prometheus" / "alerts.yml")
+    assert rule["spec"]["groups"] == plain["groups"], "the PrometheusRule must carry alerts.yml unchanged"
+    assert "{{ $labels.mode }}" in json.dumps(rule), "Prometheus templates must survive Helm"
+
+
+def test_single_replica_has_no_pdb(render):
+    assert "PodDisruptionBudget" not in render({"replicaCount": 1}).kinds()
+
+
+def test_bad_values_fail(render):
+    with pytest.raises(RenderError):
+        render({"store": "memory"})
+    with pytest.raises(RenderError):
+        render({"redis": {"enabled": False}})
+    with pytest.raises(RenderError):
+        render({"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}})
+
+
+def test_notes(render, helm_renderer):
+    if helm_renderer.helm:
+        pytest.skip("`helm template` does not render NOTES.txt")
+    assert "no API keys are configured" in render().notes
+    assert "no API keys" not in render({"apiKeys": {"existingSecret": "k"}}).notes
+    assert "store=disk with more than one replica" in render({"store": "disk"}).notes
+
+
+SCENARIOS = [
+    {},
+    {"gpu": {"enabled": True}, "apiKeys": {"keys": [{"key_sha256": "ab", "namespace": "n", "role": "user"}]}},
+    {"autoscaling": {"enabled": True, "queueDepth": {"enabled": True}}, "persistence": {"enabled": True}},
+    {"redis": {"external": {"existingSecret": "r"}}, "extraEnv": [{"name": "X", "value": "1"}],
+     "persistence": {"emptyDir": {"sizeLimit": "4Gi"}}},
+]
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=["defaults", "gpu-keys", "hpa-pvc", "external-secret"])
+def test_manifests_match_kubernetes_schemas(render, values):
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate to check schemas")
+    version = kv.latest_version()
+    for doc in render(values).docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # CRDs: no bundled schema
+        kv.validate(doc, version, strict=True)
+
+
+def test_helm_lint(helm_renderer):
+    if helm_renderer.helm:
+        proc = subprocess.run([helm_renderer.helm, "lint", "--strict", str(CHART)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    if not helm_renderer.sdk:
+        pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
+    code = (
+        "import json, sys, helm_python as h; "
+        "r = h.lint(sys.argv[1], strict=True); "
+        "print(json.dumps(r))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(CHART)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    serious = [m for m in result["messages"] if m["severity"] > 1]  # 1 = INFO ("icon is recommended")
+    assert not result["errors"] and not serious, result
+
+
+def test_rendered_yaml_is_plain(render):
+    """No Go template leftovers ("<no value>", "%!") in any manifest."""
+    text = yaml.safe_dump_all(render().docs)
+    assert "<no value>" not in text and "%!" not in text

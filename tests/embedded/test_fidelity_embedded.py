@@ -1,0 +1,94 @@
+"""Composition vs full recompute on the embedded model, for the shipped skills (issue acceptance).
+
+Every case: first-token logit cosine >= 0.99 and the same top-1; greedy 32-token continuations
+identical in at least 90% of cases. The distribution is printed (pytest -s) for the record.
+"""
+
+import itertools
+import statistics
+
+import pytest
+
+from service.runtime.fidelity import compare
+
+pytestmark = pytest.mark.slow
+
+SYSTEMS = ["You are a support agent for an online store.",
+           "You are a careful assistant. Follow the policies below exactly. Be concise and polite always."]
+USERS = ["My order arrived 10 days ago, unused. Can I get a refund? Answer APPROVE or DENY first.",
+         "Which tool should you call to look up an order, and why?"]
+
+
+def _cases(skills):
+    n = len(skills)
+    singles = [(i,) for i in range(n)]
+    pairs = [(0, 1), (1, 0), (2, 4), (5, 3)]
+    triples = [(0, 1, 2), (2, 1, 0), (3, 5, 4), (4, 0, 5)]
+    return singles + [p for p in pairs if max(p) < n] + [t for t in triples if max(t) < n]
+
+
+def test_compose_matches_full_recompute_on_shipped_skills(embedded_runtime, shipped_skills):
+    rt = embedded_runtime
+    seam = 4  # the service default (Settings.seam_tokens)
+    blocks = {name: rt.compile_block(ids) for name, _, ids in shipped_skills}
+    results = []
+    for k, combo in enumerate(_cases(shipped_skills)):
+        names = [shipped_skills[i][0] for i in combo]
+        msgs = [{"role": "system", "content": SYSTEMS[k % 2]}, {"role": "user", "content": USERS[k % 2]}]
+        plan = rt.prompts.build(msgs, [blocks[n].token_ids for n in names])
+        fid = compare(rt, plan, [blocks[n] for n in names], seam_tokens=seam, n_greedy=32)
+        results.append((names, plan.skill_offsets(), fid))
+        print(f"{'+'.join(names):60s} offsets={plan.skill_offsets()} cos={fid.cosine:.5f} "
+              f"top1={fid.top1_agree} greedy32={fid.greedy_match} prefix={fid.greedy_prefix}")
+    cosines = [f.cosine for _, _, f in results]
+    greedy = sum(f.greedy_match for _, _, f in results) / len(results)
+    print(f"cases={len(results)} cos min={min(cosines):.5f} median={statistics.median(cosines):.5f} "
+          f"top1={sum(f.top1_agree for *_, f in results)}/{len(results)} greedy32={greedy:.3f}")
+    assert all(c >= 0.99 for c in cosines), cosines
+    assert all(f.top1_agree for _, _, f in results)
+    assert greedy >= 0.9
+    assert len({tuple(o) for _, o, _ in results}) > 5  # skills really sat at many different offsets
+
+
+def test_no_rerotation_control_is_worse(embedded_runtime, shipped_skills):
+    """Splicing keys without moving them must measurably hurt (so the test above can fail)."""
+    rt = embedded_runtime
+    name, _, ids = shipped_skills[0]
+    block = rt.compile_block(ids)
+    # place the block far from position 0 so that moving it matters
+    _, _, ids2 = shipped_skills[1]
+    msgs = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": USERS[0]}]
+    plan = rt.prompts.build(msgs, [ids2, ids])
+    blocks = [rt.compile_block(ids2), block]
+    good = compare(rt, plan, blocks, seam_tokens=4)
+    original = rt.rotator.rotate_layers
+    rt.rotator.rotate_layers = lambda keys, delta: list(keys)
+    try:
+        naive = compare(rt, plan, blocks, seam_tokens=4)
+    finally:
+        rt.rotator.rotate_layers = original
+    print(f"rotated cos={good.cosine:.5f} kl={good.kl:.5f}; naive cos={naive.cosine:.5f} kl={naive.kl:.5f}")
+    assert naive.kl > 5 * good.kl and naive.cosine < good.cosine
+
+
+def test_selfcheck_passes_on_embedded(embedded_runtime):
+    from service.runtime.selfcheck import run_selfcheck
+
+    rep = run_selfcheck(embedded_runtime)
+    assert rep.ok, rep
+
+
+def test_converted_model_reloads_with_identical_logits(embedded_runtime, tmp_path):
+    """The cached safetensors conversion gives the same logits as the GGUF it came from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from service.runtime.loader import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor([embedded_runtime.prompts.encode_content("Refunds are allowed within 30 days.")])
+    with torch.inference_mode():
+        a = ref(input_ids=ids).logits
+        b = embedded_runtime.model(input_ids=ids).logits
+    assert torch.equal(a, b)
