@@ -17,6 +17,7 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
+    model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
 
     # store
     store: Literal["disk", "redis", "memory"] = "disk"
@@ -45,4 +46,4 @@ class Settings(BaseSettings):
 
     @property
     def models_dir(self) -> Path:
-        return self.home / "models"
+        return self.model_cache or self.home / "models"

@@ -32,6 +32,7 @@ class AppState:
         self.preload: dict[str, Any] = {}
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
+        self._ready = False  # model loaded, self-check passed, shipped skills registered
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._load())
@@ -60,6 +61,7 @@ class AppState:
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
             await self._preload_skills()
+            self._ready = True
         except Exception as e:
             log.exception("startup failed")
             self.load_error = f"{type(e).__name__}: {e}"
@@ -84,7 +86,7 @@ class AppState:
 
     @property
     def ready(self) -> bool:
-        return self.pipeline is not None
+        return self._ready
 
     def require_pipeline(self) -> ComposePipeline:
         if self.pipeline is None:
