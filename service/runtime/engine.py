@@ -114,7 +114,7 @@ class ModelRuntime:
             return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
         pending: list[int] = []  # ids waiting to run, starting at position `pending_start`
         pending_start = pos = n_reused = 0
-        t_rotate = 0.0
+        t_rotate = t_text = 0.0
         for seg in plan.segments:
             if seg.kind == "text":
                 pending.extend(seg.ids)
@@ -125,7 +125,9 @@ class ModelRuntime:
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
             k = min(seam_tokens, block.n_tokens)
             pending.extend(seg.ids[:k])  # seam: recomputed against the real preceding context
+            t1 = time.perf_counter()
             self.forward(pending, pending_start, cache)
+            t_text += time.perf_counter() - t1
             t1 = time.perf_counter()
             n_reused += append_block(cache, block, start=k, offset=pos, rotator=self.rotator)
             t_rotate += time.perf_counter() - t1
@@ -133,7 +135,10 @@ class ModelRuntime:
             pending, pending_start = [], pos
         if not pending:
             raise InvalidRequest("internal: the prompt must end with text after the last skill")
+        t1 = time.perf_counter()
         logits = self.forward(pending, pending_start, cache)
+        t_tail = time.perf_counter() - t1
         total_ms = (time.perf_counter() - t0) * 1e3
-        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3}
+        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "seam_text_ms": t_text * 1e3,
+                   "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused, timings)
