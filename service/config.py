@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     # composition
     seam_tokens: int = Field(4, ge=0, description="tokens recomputed at the start of each block")
 
+    # edits: one line per changed field, appended after the skill blocks ({field}, {value})
+    erratum_template: str = (
+        "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."
+    )
+
     # limits
     max_skill_tokens: int = 16384
     max_skills_per_request: int = 16

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from service import metrics
 from service.config import Settings
-from service.errors import InvalidField, InvalidRequest, LimitExceeded
+from service.edits import check_fields, plan_edit
+from service.errors import InvalidRequest, LimitExceeded
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
@@ -23,10 +24,6 @@ from service.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     from service.runtime.engine import ModelRuntime, PrefillResult
-
-ERRATUM_TEMPLATE = (
-    "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."
-)
 
 
 @dataclass
@@ -53,7 +50,7 @@ class Prepared:
     records: list[SkillRecord]
     blocks: list
     sources: list[str]
-    errata: list[str]
+    edits: list[dict]
     plan: object
     t_start: float
     store_ms: float
@@ -106,28 +103,24 @@ class ComposePipeline:
         records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
         if len({r.name for r in records}) != len(records):
             raise InvalidRequest("a skill may appear only once per request")
-        errata = self._errata(records, p.fields)
+        check_fields(records, p.fields)
+        edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources = [], []
-        for rec in records:
-            block, source = await self.block_for(p.namespace, rec.default_text)
+        for rec, edit in zip(records, edits):
+            block, source = await self.block_for(p.namespace, edit.text)
             blocks.append(block)
             sources.append(source)
         store_ms = (time.perf_counter() - t0) * 1e3
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
-        plan = self.rt.prompts.build(p.messages, [b.token_ids for b in blocks], errata=errata)
+        skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
+        errata = [line for e in edits for line in e.errata]
+        plan = self.rt.prompts.build(p.messages, skill_ids, errata=errata)
+        for seg in plan.segments:
+            if seg.kind == "skill":
+                seg.recompute = list(edits[seg.skill_index].recompute)
         self.rt.check_length(plan.n_tokens, p.gen.max_tokens, "full" if p.mode == "full" else "compose")
-        return Prepared(p, records, blocks, sources, errata, plan, t0, store_ms)
-
-    def _errata(self, records: list[SkillRecord], values: dict[str, str]) -> list[str]:
-        declared = {f: r.fields[f] for r in records for f in r.fields}
-        unknown = sorted(set(values) - set(declared))
-        if unknown:
-            raise InvalidField(
-                f"unknown fields {unknown}; the requested skills declare {sorted(declared) or 'no fields'}"
-            )
-        return [
-            ERRATUM_TEMPLATE.format(field=f, value=v) for f, v in values.items() if declared[f] != v
-        ]
+        report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
+        return Prepared(p, records, blocks, sources, report, plan, t0, store_ms)
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
         """Submit to the worker and wait for the first event; returns the event stream."""
@@ -178,6 +171,5 @@ class ComposePipeline:
             {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s}
             for r, s in zip(prep.records, prep.sources)
         ]
-        edits = [{"mode": "erratum", "line": line} for line in prep.errata]
-        return Final(done, usage, timings, skills, edits)
+        return Final(done, usage, timings, skills, prep.edits)
 

@@ -1,4 +1,17 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (tiny.py, redis_server.py)
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (tiny.py, appclient.py, redis_server.py)
+
+from appclient import make_client  # noqa: E402
+
+
+@pytest.fixture
+def client(tmp_path):
+    with make_client(tmp_path) as c:
+        app_state = c.app.state.skillcache
+        c.portal.call(app_state.wait_ready)
+        assert app_state.ready, app_state.load_error
+        yield c

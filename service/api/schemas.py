@@ -78,7 +78,7 @@ class ComposeRequest(GenerationIn):
     mode: Literal["compose", "full"] = "compose"
     seam_tokens: int | None = Field(None, ge=0, le=4096)
     logprobs: int | None = Field(None, ge=1, le=20)
-    edit_mode: Literal["erratum"] = "erratum"
+    edit_mode: Literal["erratum", "field+erratum", "in_place", "recompile"] = "erratum"
 
 
 class Usage(BaseModel):

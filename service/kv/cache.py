@@ -14,20 +14,19 @@ def new_cache(config) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def append_block(cache: DynamicCache, block: KVBlock, start: int, offset: int, rotator: KeyRotator) -> int:
-    """Append block tokens [start, N) to the cache, moved from canonical positions to offset + i.
+def append_block(cache: DynamicCache, block: KVBlock, start: int, end: int, offset: int, rotator: KeyRotator) -> int:
+    """Append block tokens [start, end) to the cache, moved from canonical position i to offset + i.
 
     Keys are re-rotated by `offset` from the stored copy; values are position-free and copied.
     Returns the number of tokens appended.
     """
-    n = block.n_tokens - start
-    if n <= 0:
+    if end <= start:
         return 0
-    keys = [k[:, :, start:] for k in block.keys]  # L x [1, H_kv, n, D]
+    keys = [k[:, :, start:end] for k in block.keys]  # L x [1, H_kv, end - start, D]
     rotated = rotator.rotate_layers(keys, offset)
     for layer, (k, v) in enumerate(zip(rotated, block.values)):
-        cache.update(k.contiguous(), v[:, :, start:].contiguous(), layer)
-    return n
+        cache.update(k.contiguous(), v[:, :, start:end].contiguous(), layer)
+    return end - start
 
 
 def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprint: str) -> KVBlock:

@@ -50,6 +50,23 @@ def render(text: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], text)
 
 
+def render_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
+    """Render placeholders and return the character spans [start, end) each field's value occupies."""
+    out, spans, cursor = [], {}, 0
+    length = 0
+    for m in _PLACEHOLDER_RE.finditer(text):
+        literal = text[cursor : m.start()]
+        out.append(literal)
+        length += len(literal)
+        value = values[m.group(1)]
+        spans.setdefault(m.group(1), []).append((length, length + len(value)))
+        out.append(value)
+        length += len(value)
+        cursor = m.end()
+    out.append(text[cursor:])
+    return "".join(out), spans
+
+
 def content_hash(text: str, fields: dict[str, str]) -> str:
     payload = json.dumps({"text": text, "fields": fields}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]

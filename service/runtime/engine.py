@@ -42,6 +42,21 @@ def _rotary_modules(model) -> tuple[list[torch.nn.Module], list[int]]:
     return [rotary], [0] * n_layers
 
 
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping, non-empty [start, end) spans."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(x for x in spans if x[1] > x[0]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _inside(i: int, spans: list[tuple[int, int]]) -> bool:
+    return any(s <= i < e for s, e in spans)
+
+
 class ModelRuntime:
     def __init__(self, loaded: LoadedModel, fingerprint: str) -> None:
         self.loaded = loaded
@@ -112,33 +127,45 @@ class ModelRuntime:
             logits = self.forward(plan.ids, 0, cache)
             ms = (time.perf_counter() - t0) * 1e3
             return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
-        pending: list[int] = []  # ids waiting to run, starting at position `pending_start`
-        pending_start = pos = n_reused = 0
+        pending: list[int] = []  # ids waiting to run; they end at position `pos`
+        pos = n_reused = 0
         t_rotate = t_text = 0.0
+
+        def flush() -> None:
+            nonlocal pending, t_text
+            if pending:
+                t1 = time.perf_counter()
+                self.forward(pending, pos - len(pending), cache)
+                t_text += time.perf_counter() - t1
+                pending = []
+
         for seg in plan.segments:
             if seg.kind == "text":
                 pending.extend(seg.ids)
                 pos += len(seg.ids)
                 continue
             block = blocks[seg.skill_index]
-            if block.token_ids != seg.ids:
+            if len(block.token_ids) != len(seg.ids):
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
-            k = min(seam_tokens, block.n_tokens)
-            pending.extend(seg.ids[:k])  # seam: recomputed against the real preceding context
-            t1 = time.perf_counter()
-            self.forward(pending, pending_start, cache)
-            t_text += time.perf_counter() - t1
-            t1 = time.perf_counter()
-            n_reused += append_block(cache, block, start=k, offset=pos, rotator=self.rotator)
-            t_rotate += time.perf_counter() - t1
-            pos += block.n_tokens
-            pending, pending_start = [], pos
+            # spans run through the model with the prompt's ids: the seam, then any edited field spans
+            spans = _merge([(0, min(seam_tokens, block.n_tokens)), *seg.recompute])
+            if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
+                raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
+            start, cursor = pos, 0  # start: the block's offset in the prompt
+            for s, e in spans + [(block.n_tokens, block.n_tokens)]:
+                if s > cursor:  # copy block tokens [cursor, s), moved to start + i
+                    flush()
+                    t1 = time.perf_counter()
+                    n_reused += append_block(cache, block, cursor, s, offset=start, rotator=self.rotator)
+                    t_rotate += time.perf_counter() - t1
+                pending.extend(seg.ids[s:e])
+                pos, cursor = start + e, max(cursor, e)
         if not pending:
             raise InvalidRequest("internal: the prompt must end with text after the last skill")
         t1 = time.perf_counter()
-        logits = self.forward(pending, pending_start, cache)
+        logits = self.forward(pending, pos - len(pending), cache)
         t_tail = time.perf_counter() - t1
         total_ms = (time.perf_counter() - t0) * 1e3
-        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "seam_text_ms": t_text * 1e3,
+        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused, timings)

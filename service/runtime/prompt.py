@@ -24,6 +24,7 @@ class Segment:
     kind: Literal["text", "skill"]
     ids: list[int]
     skill_index: int | None = None  # index into the request's skill list
+    recompute: list[tuple[int, int]] = field(default_factory=list)  # skill spans [s, e) to run, not copy
 
 
 @dataclass
@@ -56,6 +57,16 @@ class PromptBuilder:
     def encode_content(self, text: str) -> list[int]:
         """User-supplied text -> ids, with special-token spellings kept as plain text."""
         return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def encode_spans(self, text: str, char_spans: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids of `text` (as encode_content) and the token span [s, e) covering each character span."""
+        enc = self.tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        spans = []
+        for cs, ce in char_spans:
+            hit = [i for i, (a, b) in enumerate(offsets) if a < ce and b > cs]
+            spans.append((hit[0], hit[-1] + 1) if hit else (0, 0))
+        return enc["input_ids"], spans
 
     def _encode_template_text(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]

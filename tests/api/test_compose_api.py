@@ -47,7 +47,7 @@ def test_compose_stream_sse(skills):
 def test_fields_become_errata_and_unknown_fields_are_refused(skills):
     r = skills.post("/v1/compose", json={"skills": ["f"], "user": "status?", "max_tokens": 2,
                                         "fields": {"status": "shipped"}}).json()
-    assert r["edits"][0]["line"].startswith("[STATE UPDATE] status has changed to shipped;")
+    assert r["edits"][0]["lines"][0].startswith("[STATE UPDATE] status has changed to shipped;")
     same = skills.post("/v1/compose", json={"skills": ["f"], "user": "status?", "max_tokens": 2,
                                            "fields": {"status": "delivered"}}).json()
     assert same["edits"] == []

@@ -58,7 +58,7 @@ def test_bad_names_and_fields(client):
 
 
 def test_limits(tmp_path):
-    from api.conftest import make_client
+    from appclient import make_client
 
     with make_client(tmp_path, max_skill_tokens=8, max_body_bytes=2000) as c:
         c.portal.call(c.app.state.skillcache.wait_ready)

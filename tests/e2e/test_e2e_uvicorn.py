@@ -89,7 +89,7 @@ def test_client_package_registers_and_composes(server):
                                        fields={"days": "200"}))
         assert events[-1]["type"] == "done"
         assert events[-1]["skills"][0]["source"] in ("memory", "disk")
-        assert "200" in events[-1]["edits"][0]["line"]
+        assert "200" in events[-1]["edits"][0]["lines"][0]
         assert "".join(e["text"] for e in events if e["type"] == "delta")
         names = {s["name"] for s in c.list_skills()}
         assert {"refund-policy", "tool-specs", "e2e-note"} <= names
