@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -38,12 +38,23 @@ class Settings(BaseSettings):
         "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."
     )
 
+    # sessions: live KV bounded in bytes and idle time; persisted to the store for other replicas
+    session_max_bytes: int = 2 * 1024**3
+    session_ttl_s: float = 3600.0
+    max_sessions: int = Field(256, description="live sessions per tenant")
+    session_persist: bool = True
+
     # limits
     max_skill_tokens: int = 16384
     max_skills_per_request: int = 16
     max_tokens_cap: int = 2048
     max_body_bytes: int = 4 * 1024 * 1024
     queue_size: int = 32
+
+    @field_validator("skills_dir", mode="before")
+    @classmethod
+    def _empty_disables(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
 
     @property
     def store_dir(self) -> Path:

@@ -34,6 +34,10 @@ class SessionNotFound(ServiceError):
     status, error_type = 404, "session_not_found"
 
 
+class SessionBusy(ServiceError):
+    status, error_type = 409, "session_busy"
+
+
 class SkillConflict(ServiceError):
     status, error_type = 409, "skill_conflict"
 

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from service import __version__
 from service.api.errors import install_error_handlers
 from service.api.limits import BodyLimitMiddleware
-from service.api.routes import chat, compose, health, skills
+from service.api.routes import chat, compose, health, sessions, skills
 from service.config import Settings
 from service.metrics import REQUESTS
 from service.state import AppState
@@ -34,7 +34,7 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     app = FastAPI(title="skillcache", version=__version__, lifespan=lifespan,
                   description="Precompiled, composable and editable KV caches for agent skills.")
     install_error_handlers(app)
-    for r in (health.router, skills.router, compose.router, chat.router):
+    for r in (health.router, skills.router, compose.router, sessions.router, chat.router):
         app.include_router(r)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

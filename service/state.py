@@ -13,6 +13,7 @@ from service.errors import NotReady, ServiceError
 from service.pipeline import ComposePipeline
 from service.registry.registry import SkillRegistry
 from service.runtime.worker import InferenceWorker
+from service.sessions import SessionManager
 from service.store.factory import build_store
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class AppState:
         self.worker = InferenceWorker(settings.queue_size)
         self.registry: SkillRegistry | None = None
         self.pipeline: ComposePipeline | None = None
+        self.sessions: SessionManager | None = None
         self.selfcheck: dict | None = None
         self.load_error: str | None = None
         self.preload: dict[str, Any] = {}
@@ -60,6 +62,9 @@ class AppState:
                 self.settings.max_skill_tokens,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
+            st = self.settings
+            self.sessions = SessionManager(self.pipeline, st.session_max_bytes, st.session_ttl_s, st.max_sessions,
+                                           st.session_persist)
             await self._preload_skills()
             self._ready = True
         except Exception as e:
@@ -88,6 +93,10 @@ class AppState:
     def ready(self) -> bool:
         return self._ready
 
+    def require_sessions(self) -> SessionManager:
+        self.require_pipeline()
+        return self.sessions
+
     def require_pipeline(self) -> ComposePipeline:
         if self.pipeline is None:
             raise NotReady(self.load_error or "the model is still loading; retry when /readyz says ready")
@@ -112,6 +121,8 @@ class AppState:
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        if self.sessions is not None:
+            await self.sessions.drain()
         self.worker.stop()
         await self.store.close()
         await self.definitions.close()

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.pipeline import ComposePipeline
+from service.sessions import SessionManager
 from service.state import DEFAULT_NAMESPACE, AppState
 
 
@@ -18,6 +19,10 @@ def get_pipeline(state: Annotated[AppState, Depends(get_state)]) -> ComposePipel
     return state.require_pipeline()
 
 
+def get_sessions(state: Annotated[AppState, Depends(get_state)]) -> SessionManager:
+    return state.require_sessions()
+
+
 def get_namespace() -> str:
     return DEFAULT_NAMESPACE
 
@@ -25,3 +30,4 @@ def get_namespace() -> str:
 State = Annotated[AppState, Depends(get_state)]
 Pipeline = Annotated[ComposePipeline, Depends(get_pipeline)]
 Namespace = Annotated[str, Depends(get_namespace)]
+Sessions = Annotated[SessionManager, Depends(get_sessions)]

@@ -4,28 +4,41 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from service.kv.block import KVBlock
 from service.kv.rope import KeyRotator
 
 
 def new_cache(config) -> DynamicCache:
-    """An empty cache with the model's layer types (sliding layers included)."""
-    return DynamicCache(config=config)
+    """An empty cache that keeps every token on every layer, sliding-window layers included.
+
+    transformers' DynamicCache(config=...) gives sliding layers a DynamicSlidingWindowLayer that
+    keeps only the last `sliding_window` tokens, so a composed prompt longer than the window could
+    not hold a block's tokens. Full layers keep them; the model's sliding mask (built from the config,
+    over cache indices) still enforces the window (tests/kv/test_adapters.py checks both).
+    """
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    return cache
 
 
 def append_block(cache: DynamicCache, block: KVBlock, start: int, end: int, offset: int, rotator: KeyRotator) -> int:
     """Append block tokens [start, end) to the cache, moved from canonical position i to offset + i.
 
-    Keys are re-rotated by `offset` from the stored copy; values are position-free and copied.
+    Keys are re-rotated by `offset` from the stored copy; values are position-free and copied
+    (MLA: the rotator moves k_pe, which transformers caches in the value slot).
     Returns the number of tokens appended.
     """
     if end <= start:
         return 0
+    rotator.check_tokens(block.token_ids)
     keys = [k[:, :, start:end] for k in block.keys]  # L x [1, H_kv, end - start, D]
-    rotated = rotator.rotate_layers(keys, offset)
-    for layer, (k, v) in enumerate(zip(rotated, block.values)):
-        cache.update(k.contiguous(), v[:, :, start:end].contiguous(), layer)
+    values = [v[:, :, start:end] for v in block.values]  # L x [1, H_kv, end - start, D_v]
+    keys, values = rotator.move_layers(keys, values, offset)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k.contiguous(), v.contiguous(), layer)
     return end - start
 
 
@@ -40,3 +53,23 @@ def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprin
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.layers[layer].keys, cache.layers[layer].values
+
+
+def truncate(cache: DynamicCache, n_tokens: int) -> None:
+    """Drop cached tokens beyond the first n_tokens (keeps the longest common prefix of a session)."""
+    extra = cache.get_seq_length() - n_tokens
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def cache_from_block(config, block: KVBlock) -> DynamicCache:
+    """A fresh cache holding a block's tensors as they are (no re-rotation: positions 0..N-1)."""
+    cache = new_cache(config)
+    for layer, (k, v) in enumerate(zip(block.keys, block.values)):
+        cache.update(k.clone(), v.clone(), layer)
+    return cache
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))

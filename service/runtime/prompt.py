@@ -80,7 +80,7 @@ class PromptBuilder:
     ) -> PromptPlan:
         """Lay skills (then errata lines) into the system turn and render the conversation.
 
-        `messages`: OpenAI-style [{"role", "content"}], an optional leading system message.
+        `messages`: OpenAI-style [{"role", "content", "ids"?}], an optional leading system message.
         `skill_ids`: each skill's precompiled token ids, in request order.
         """
         pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
@@ -94,7 +94,10 @@ class PromptBuilder:
         sys_parts = [sentinel("content", system_text)] if system_text else []
         sys_parts += [sentinel("skill", i) for i in range(len(skill_ids))]
         sys_parts += [sentinel("content", line) for line in errata or []]
-        body = [{"role": m["role"], "content": sentinel("content", m["content"])} for m in msgs]
+        # a message may carry "ids": its content's exact token ids (a session's generated replies),
+        # so the transcript re-renders to the very tokens already cached
+        body = [{"role": m["role"], "content": sentinel("ids", m["ids"]) if m.get("ids") is not None
+                 else sentinel("content", m["content"])} for m in msgs]
         rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt)
 
         plan = PromptPlan()
@@ -104,6 +107,8 @@ class PromptBuilder:
             kind, value = pieces[int(match.group(1))]
             if kind == "skill":
                 plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))
+            elif kind == "ids":
+                self._add_ids(plan, value)
             else:
                 self._add_text(plan, value, content=True)
             cursor = match.end()
@@ -111,9 +116,10 @@ class PromptBuilder:
         return plan
 
     def _add_text(self, plan: PromptPlan, text: str, content: bool = False) -> None:
-        if not text:
-            return
-        ids = self.encode_content(text) if content else self._encode_template_text(text)
+        if text:
+            self._add_ids(plan, self.encode_content(text) if content else self._encode_template_text(text))
+
+    def _add_ids(self, plan: PromptPlan, ids: list[int]) -> None:
         if plan.segments and plan.segments[-1].kind == "text":
             plan.segments[-1].ids.extend(ids)
         else:

@@ -42,18 +42,23 @@ def _final_json(final: Final, text: str | None = None) -> dict:
     return out
 
 
-@router.post("/compose", response_model=ComposeResponse, responses=_ERRORS)
-async def compose(body: ComposeRequest, pipeline: Pipeline, ns: Namespace):
-    prep = await pipeline.prepare(_params(body, ns))
-    events = await pipeline.start(prep)
-    if body.stream:
+async def respond(events, stream: bool, extra: dict | None = None):
+    """JSON (the final text) or server-sent events (deltas, then a done event) for a started request."""
+    extra = extra or {}
+    if stream:
         def to_json(ev):
             if isinstance(ev, Delta):
                 return [{"type": "delta", "text": ev.text}]
-            return [{"type": "done", **_final_json(ev)}]
+            return [{"type": "done", **_final_json(ev), **extra}]
 
         return sse_response(events, to_json)
     final = None
     async for ev in events:
         final = ev
-    return _final_json(final, final.done.text)
+    return {**_final_json(final, final.done.text), **extra}
+
+
+@router.post("/compose", response_model=ComposeResponse, responses=_ERRORS)
+async def compose(body: ComposeRequest, pipeline: Pipeline, ns: Namespace):
+    prep = await pipeline.prepare(_params(body, ns))
+    return await respond(await pipeline.start(prep), body.stream)

@@ -1,0 +1,263 @@
+"""Sessions: the paper's edit+compose agent. Turn 0 composes the skills into the system turn; each
+later turn reuses the longest common cached prefix and prefills only the new tokens; changed fields
+arrive as erratum lines (current value only) at the head of the user turn. Session KV is bounded
+(LRU by bytes, idle TTL) and persisted to the store so another replica can resume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.edits import check_fields, plan_edit
+from service.errors import InvalidField, LimitExceeded, SessionBusy, SessionNotFound
+from service.kv.block import LAYOUT_VERSION
+from service.pipeline import ComposePipeline, Final, SkillRef
+from service.runtime.params import Delta, Done, GenParams
+from service.store.key import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+def _doc_ns(ns: str) -> str:
+    return f"{ns}.sessions"  # session documents live beside skill definitions, in their own namespace
+
+
+@dataclass
+class Session:
+    id: str
+    namespace: str
+    skills: list[dict]  # [{"name", "version", "content_hash"}]
+    system: str | None
+    fields: dict[str, str]  # current values
+    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns so far
+    base_errata: list[str] = field(default_factory=list)  # field values given at creation
+    skill_ids: list[list[int]] = field(default_factory=list)  # each skill block's ids, as composed
+    ids: list[int] = field(default_factory=list)  # tokens held by `cache`
+    cache: Any = None  # DynamicCache, owned by this session; None until loaded
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
+    save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves in order, the newest wins
+    saves: int = 0
+
+    def doc(self) -> dict:
+        keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids", "ids",
+                "created_at")
+        return {k: getattr(self, k) for k in keep}
+
+    def public(self) -> dict:
+        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
+                "n_tokens": len(self.ids), "turns": sum(m["role"] == "user" for m in self.messages),
+                "created_at": self.created_at}
+
+
+class SessionManager:
+    def __init__(self, pipeline: ComposePipeline, max_bytes: int, ttl_s: float, max_per_namespace: int,
+                 persist: bool = True) -> None:
+        self.p = pipeline
+        self.rt = pipeline.rt
+        self.max_bytes, self.ttl_s, self.max_per_ns, self.persist = max_bytes, ttl_s, max_per_namespace, persist
+        self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
+        self._bg: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
+                     mode: str = "compose", seam_tokens: int | None = None) -> tuple[Session, dict]:
+        if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
+            raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
+                                "delete some first")
+        records = [await self.p.registry.get(ns, r.name, r.version) for r in refs]
+        check_fields(records, fields)
+        tmpl = self.p.settings.erratum_template
+        edits = [plan_edit(self.rt.prompts, r, fields, "erratum", tmpl) for r in records]
+        blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
+        s = Session(id=f"s-{secrets.token_hex(12)}", namespace=ns, system=system,
+                    skills=[{"name": r.name, "version": r.version, "content_hash": r.content_hash} for r in records],
+                    fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
+                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks])
+        plan = self.rt.prompts.build(self._head(s), s.skill_ids, s.base_errata,
+                                     add_generation_prompt=False)
+        self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
+        seam = self.p.settings.seam_tokens if seam_tokens is None else seam_tokens
+        pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam))
+        s.cache, s.ids = pre.cache, plan.ids
+        self._admit(s)
+        self._persist_later(s)
+        return s, {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused,
+                   "recomputed_tokens": pre.n_recomputed}
+
+    async def get(self, ns: str, sid: str) -> Session:
+        s = self.live.get(sid)
+        if s is None:
+            s = await self._resume(ns, sid)
+        if s.namespace != ns:
+            raise SessionNotFound(f"session {sid!r} not found")
+        s.last_used = time.monotonic()
+        self.live.move_to_end(s.id)
+        return s
+
+    async def delete(self, ns: str, sid: str) -> None:
+        s = await self.get(ns, sid)
+        self.live.pop(s.id, None)
+        await self._defs.delete(_doc_ns(ns), sid)
+        await self.p.store.delete(self._key(s))
+
+    # ---- turns -----------------------------------------------------------------------------
+    async def turn(self, ns: str, sid: str, user: str, fields: dict[str, str], gen: GenParams
+                   ) -> AsyncIterator[Delta | Final]:
+        s = await self.get(ns, sid)
+        if s.lock.locked():
+            raise SessionBusy(f"session {sid!r} is already running a turn; wait for it to finish")
+        await s.lock.acquire()
+        try:
+            unknown = sorted(set(fields) - set(s.fields))
+            if unknown:
+                raise InvalidField(f"unknown fields {unknown}; this session's skills declare {sorted(s.fields)}")
+            changed = {f: v for f, v in fields.items() if s.fields[f] != v}
+            tmpl = self.p.settings.erratum_template
+            errata = [tmpl.format(field=f, value=v) for f, v in changed.items()]
+            content = "\n".join(errata) + "\n\n" + user if errata else user
+            messages = s.messages + [{"role": "user", "content": content}]
+            plan = self.rt.prompts.build(self._head(s) + messages, s.skill_ids, s.base_errata)
+            ids = plan.ids
+            self.rt.check_length(len(ids), gen.max_tokens, "full")
+            events = await self._run_turn(s, ids, gen)
+        except BaseException:
+            s.lock.release()
+            raise
+        return self._finish(s, messages, changed, errata, events)
+
+    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams):
+        from service.kv.cache import truncate
+        from service.runtime.decode import generate
+        from service.runtime.engine import PrefillResult
+
+        t0 = time.perf_counter()
+        box: dict = {}
+
+        def work(cancelled):
+            lcp = next((i for i, (a, b) in enumerate(zip(s.ids, ids)) if a != b), min(len(s.ids), len(ids)))
+            lcp = min(lcp, len(ids) - 1)  # at least one new token produces the next-token logits
+            truncate(s.cache, lcp)
+            logits = self.rt.forward(ids[lcp:], lcp, s.cache)
+            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=lcp, recomputed=len(ids) - lcp)
+            pre = PrefillResult(s.cache, logits, len(ids), lcp, len(ids) - lcp)
+            for ev in generate(self.rt, pre, gen, cancelled):
+                if isinstance(ev, Done):
+                    box["ids"] = ids + ev.token_ids[:-1] if ev.token_ids else list(ids)
+                yield ev
+
+        job = self.p.worker.submit(work)
+        stream = job.stream()
+        first = await anext(stream)
+        return first, stream, box, t0
+
+    async def _finish(self, s: Session, messages, changed, errata, events) -> AsyncIterator[Delta | Final]:
+        item, stream, box, t0 = events
+        try:
+            while True:
+                if isinstance(item, Done):
+                    s.ids = box["ids"]
+                    reply = [t for t in item.token_ids if t not in self.rt.eos_ids]
+                    s.messages = messages + [{"role": "assistant", "content": item.text, "ids": reply}]
+                    s.fields.update(changed)
+                    usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
+                             "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
+                    timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
+                               "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
+                    edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
+                    self._admit(s)
+                    self._persist_later(s)
+                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits)
+                    return
+                yield item
+                item = await anext(stream)
+        finally:
+            s.lock.release()
+
+    # ---- memory bound, persistence, resume ---------------------------------------------------
+    @property
+    def _defs(self):
+        return self.p.registry.definitions
+
+    def _head(self, s: Session) -> list[dict[str, str]]:
+        return [{"role": "system", "content": s.system}] if s.system else []
+
+    def _key(self, s: Session) -> BlockKey:
+        return BlockKey(self.rt.fingerprint, LAYOUT_VERSION, s.namespace, s.id)
+
+    def bytes_held(self) -> int:
+        from service.kv.cache import cache_bytes
+
+        return sum(cache_bytes(x.cache) for x in self.live.values() if x.cache is not None)
+
+    def _admit(self, s: Session) -> None:
+        """Keep `s` live; drop idle (TTL) and least recently used sessions beyond the byte budget."""
+        self.live[s.id] = s
+        self.live.move_to_end(s.id)
+        now = time.monotonic()
+        for sid, other in list(self.live.items()):
+            if other is not s and not other.lock.locked() and now - other.last_used > self.ttl_s:
+                self.live.pop(sid)
+        while self.bytes_held() > self.max_bytes and len(self.live) > 1:
+            victim = next((x for x in self.live.values() if x is not s and not x.lock.locked()), None)
+            if victim is None:
+                break
+            self.live.pop(victim.id)
+
+    def _persist_later(self, s: Session) -> None:
+        if not self.persist:
+            return
+        from service.kv.block import KVBlock
+
+        doc = s.doc()
+        layers = [(layer.keys, layer.values) for layer in s.cache.layers]  # [1, H_kv, T, D], T == len(ids)
+        block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.rt.fingerprint)
+
+        s.saves += 1
+        generation = s.saves
+
+        async def save() -> None:
+            async with s.save_lock:
+                if generation < s.saves:
+                    return  # a newer state is queued behind us
+                try:
+                    await self.p.store.put(self._key(s), block)
+                    await self._defs.put(_doc_ns(s.namespace), s.id, 1, doc)  # the document last
+                except Exception as e:  # persistence is best effort: the live session keeps working
+                    log.warning("session %s not persisted: %s", s.id, e)
+
+        task = asyncio.create_task(save())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def drain(self) -> None:
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def _resume(self, ns: str, sid: str) -> Session:
+        """A session this process does not hold: load its document and KV from the store."""
+        from service.kv.cache import cache_from_block
+
+        doc = await self._defs.get(_doc_ns(ns), sid) if _valid_id(sid) else None
+        if doc is None:
+            raise SessionNotFound(f"session {sid!r} not found (it may have expired)")
+        s = Session(**{k: v for k, v in doc.items()})
+        block, _ = await self.p.store.get(self._key(s))
+        if block is None or block.token_ids != s.ids:
+            raise SessionNotFound(f"session {sid!r} lost its cache (expired from the store); start a new one")
+        s.cache = cache_from_block(self.rt.model.config, block)
+        self._admit(s)
+        return s
+
+
+def _valid_id(sid: str) -> bool:
+    return sid.startswith("s-") and len(sid) == 26 and all(c in "0123456789abcdef" for c in sid[2:])

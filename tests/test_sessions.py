@@ -1,0 +1,111 @@
+"""Sessions: exact incremental turns, errata on a cached prefix, persistence and resume, bounds."""
+
+import math
+
+import pytest
+
+from appclient import make_client
+from service.runtime.fidelity import compare  # noqa: F401  (import check: runtime helpers load)
+
+POLICY = "Refunds are allowed within 30 days. The order status is {{status}}. Deny refunds for shipped orders."
+
+
+@pytest.fixture
+def app(tmp_path):
+    with make_client(tmp_path) as c:
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
+        yield c
+
+
+def _full_top(client, sid, user, fields, k=5):
+    """Top-k logprobs of a full prefill of exactly the tokens the session will hold for this turn."""
+    state = client.app.state.skillcache
+    mgr = state.sessions
+    s = mgr.live[sid]
+    tmpl = state.settings.erratum_template
+    errata = [tmpl.format(field=f, value=v) for f, v in fields.items() if s.fields[f] != v]
+    content = "\n".join(errata) + "\n\n" + user if errata else user
+    plan = mgr.rt.prompts.build(mgr._head(s) + s.messages + [{"role": "user", "content": content}],
+                                s.skill_ids, s.base_errata)
+    import torch
+
+    logits = mgr.rt.prefill(plan, [], mode="full").logits
+    lp = torch.log_softmax(logits, -1)
+    vals, ids = torch.topk(lp, k)
+    return [(mgr.rt.tokenizer.decode([int(i)]), float(v)) for v, i in zip(vals, ids)], len(plan.ids)
+
+
+def test_turns_equal_full_prefill_of_the_transcript_and_prefill_only_new_tokens(app):
+    s = app.post("/v1/sessions", json={"skills": ["policy"], "system": "Be brief.", "mode": "full"}).json()
+    sid, n0 = s["id"], s["n_tokens"]
+    assert s["usage"]["recomputed_tokens"] == n0
+    prev = n0
+    for turn, (user, fields) in enumerate([("Refund?", {}), ("And now?", {"status": "shipped"}),
+                                           ("Again?", {"status": "delivered"})]):
+        expect, n_prompt = _full_top(app, sid, user, fields)
+        r = app.post(f"/v1/sessions/{sid}/turns", json={"user": user, "fields": fields, "max_tokens": 4,
+                                                         "logprobs": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["session"] == sid
+        got = [(x["token"], x["logprob"]) for x in body["logprobs"]]
+        # same distribution head: the top-5 logprobs agree (token order may swap only inside exact ties)
+        assert all(math.isclose(a, b, abs_tol=1e-3) for (_, a), (_, b) in zip(got, expect))
+        if expect[0][1] - expect[1][1] > 1e-3:
+            assert got[0][0] == expect[0][0]
+        u = body["usage"]
+        assert u["prompt_tokens"] == n_prompt
+        assert u["reused_tokens"] >= prev - 1  # everything cached before is reused (but the last token)
+        assert u["recomputed_tokens"] == n_prompt - u["reused_tokens"]
+        if fields.get("status") == "shipped":
+            assert body["edits"][0]["lines"] == [
+                "[STATE UPDATE] status has changed to shipped; this overrides any earlier value. "
+                "Apply the current value."]
+        prev = n_prompt + u["completion_tokens"]
+    info = app.get(f"/v1/sessions/{sid}").json()
+    assert info["turns"] == 3 and info["fields"] == {"status": "delivered"}
+    assert [m["role"] for m in info["messages"]] == ["user", "assistant"] * 3
+
+
+def test_session_is_persisted_and_resumed(tmp_path):
+    with make_client(tmp_path) as c:
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
+        sid = c.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+        first = c.post(f"/v1/sessions/{sid}/turns", json={"user": "Refund?", "max_tokens": 3}).json()
+        c.portal.call(c.app.state.skillcache.sessions.drain)
+    # a new process over the same store (disk) resumes the session: another replica would too
+    with make_client(tmp_path) as c2:
+        c2.portal.call(c2.app.state.skillcache.wait_ready)
+        info = c2.get(f"/v1/sessions/{sid}").json()
+        assert info["turns"] == 1 and info["messages"][1]["content"] == first["text"]
+        r = c2.post(f"/v1/sessions/{sid}/turns", json={"user": "Sure?", "max_tokens": 2}).json()
+        assert r["usage"]["reused_tokens"] >= info["n_tokens"] - 1
+
+
+def test_live_sessions_are_bounded_and_evicted_ones_resume(tmp_path):
+    with make_client(tmp_path, session_max_bytes=1) as c:  # every other session is evicted at once
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
+        a = c.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+        b = c.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+        mgr = c.app.state.skillcache.sessions
+        assert list(mgr.live) == [b]
+        c.portal.call(mgr.drain)
+        assert c.post(f"/v1/sessions/{a}/turns", json={"user": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_session_errors(app):
+    assert app.get("/v1/sessions/s-doesnotexist").status_code == 404
+    assert app.post("/v1/sessions", json={"skills": ["nope"]}).json()["error"]["type"] == "skill_not_found"
+    sid = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+    bad = app.post(f"/v1/sessions/{sid}/turns", json={"user": "x", "fields": {"unknown": "1"}})
+    assert bad.status_code == 422 and bad.json()["error"]["type"] == "invalid_field"
+    mgr = app.app.state.skillcache.sessions
+    app.portal.call(mgr.live[sid].lock.acquire)
+    busy = app.post(f"/v1/sessions/{sid}/turns", json={"user": "x"})
+    assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy"
+    mgr.live[sid].lock.release()
+    assert app.delete(f"/v1/sessions/{sid}").json() == {"deleted": sid}
+    assert app.get(f"/v1/sessions/{sid}").status_code == 404
