@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import uvicorn
 
+from service.api.auth import AuthConfigError, check_exposure
+from service.config import Settings
 from service.main import configure_logging, create_app
 
 
@@ -15,7 +18,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
     configure_logging()
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="info")
+    settings = Settings()
+    try:
+        check_exposure(settings, args.host)  # no keys: loopback only, unless SKILLCACHE_ALLOW_NO_AUTH=1
+        app = create_app(settings)
+    except AuthConfigError as e:
+        print(f"skillcache: not starting: {e}", file=sys.stderr)
+        sys.exit(2)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
 if __name__ == "__main__":

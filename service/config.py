@@ -26,12 +26,20 @@ class Settings(BaseSettings):
     redis_chunk_bytes: int = 32 * 1024 * 1024
     memory_cache_bytes: int = 2 * 1024**3
     compile_lock_timeout_s: float = 60.0
+    kv_compression: Literal["none", "int8"] = Field(
+        "none", description="stored K/V in the disk and Redis tiers: as computed, or int8 with per-channel "
+        "key / per-token value scales (about 2x smaller than bf16, 4x than fp32; dequantized on read)")
 
     # skills shipped with the service, registered at startup ("" to disable)
     skills_dir: Path | None = Path("skills")
 
     # composition
-    seam_tokens: int = Field(4, ge=0, description="tokens recomputed at the start of each block")
+    seam_tokens: int = Field(4, ge=0, description="seam when not calibrated (seam_auto off, or not yet)")
+    seam_auto: bool = Field(True, description="calibrate each skill's seam after compiling it (when idle)")
+    seam_candidates: list[int] = [0, 1, 2, 4, 8, 16, 32, 64]
+    fidelity_min_cosine: float = Field(0.999, description="first-token logit cosine vs full recompute")
+    fidelity_tie_margin: float = Field(0.05, description="top-1 counts only when p1 - p2 >= this")
+    shadow_sample_rate: float = Field(0.02, ge=0.0, le=1.0, description="compose requests re-run in full, idle")
 
     # edits: one line per changed field, appended after the skill blocks ({field}, {value})
     erratum_template: str = (
@@ -50,6 +58,21 @@ class Settings(BaseSettings):
     max_tokens_cap: int = 2048
     max_body_bytes: int = 4 * 1024 * 1024
     queue_size: int = 32
+
+    # auth and limits (service/api/auth.py; docs/OPERATIONS.md section 4, "Authentication and tenants")
+    auth: Literal["off", "keys"] | None = Field(
+        None, description="keys: every /v1 request needs a key; off: open, one namespace 'default'. "
+        "Unset: keys when api_keys_file is set, else off")
+    api_keys_file: Path | None = Field(None, description='JSON list of {"key"|"key_sha256", "namespace", "role"}')
+    allow_no_auth: bool = Field(False, description="let auth=off serve on a non-loopback address")
+    rate_limit_rps: float = Field(0.0, ge=0, description="per-key requests per second (token bucket); 0 = off")
+    rate_limit_burst: int = Field(0, ge=0, description="bucket size; 0 = max(1, ceil(rate_limit_rps))")
+
+    @field_validator("api_keys_file", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, v):
+        """An empty variable means unset, not the current directory."""
+        return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("skills_dir", mode="before")
     @classmethod

@@ -64,8 +64,22 @@ class Overloaded(ServiceError):
         self.headers = {"Retry-After": str(retry_after_s)}
 
 
+class RateLimited(ServiceError):
+    """This caller's (API key's) request rate is over SKILLCACHE_RATE_LIMIT_RPS."""
+
+    status, error_type = 429, "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
 class Unauthorized(ServiceError):
     status, error_type = 401, "unauthorized"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.headers = headers or {"WWW-Authenticate": "Bearer"}
 
 
 class Forbidden(ServiceError):

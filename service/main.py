@@ -7,19 +7,23 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 
 from service import __version__
+from service.api.auth import Authenticator, authenticate
 from service.api.errors import install_error_handlers
 from service.api.limits import BodyLimitMiddleware
 from service.api.routes import chat, compose, health, sessions, skills
 from service.config import Settings
+from service.api.schemas import ErrorResponse
 from service.metrics import REQUESTS
 from service.state import AppState
 
 
 def create_app(settings: Settings | None = None, runtime: Any | None = None) -> FastAPI:
+    """Raises service.api.auth.AuthConfigError for unusable auth settings (a bad keys file)."""
     settings = settings or Settings()
+    auth = Authenticator(settings)  # before anything starts: a bad keys file must stop the process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -33,16 +37,21 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
 
     app = FastAPI(title="skillcache", version=__version__, lifespan=lifespan,
                   description="Precompiled, composable and editable KV caches for agent skills.")
+    app.state.auth = auth
     install_error_handlers(app)
-    for r in (health.router, skills.router, compose.router, sessions.router, chat.router):
-        app.include_router(r)
+    app.include_router(health.router)  # /livez, /readyz, /metrics: open
+    auth_errors = {c: {"model": ErrorResponse} for c in (401, 403, 429)}
+    for r in (skills.router, compose.router, sessions.router, chat.router):  # every /v1 route needs a key
+        app.include_router(r, dependencies=[Depends(authenticate)], responses=auth_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
         route = request.scope.get("route")
-        REQUESTS.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        principal = getattr(request.state, "principal", None)
+        REQUESTS.labels(getattr(route, "path", "unmatched"), str(response.status_code),
+                        principal.namespace if principal else "").inc()
         return response
 
     return app

@@ -6,7 +6,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-REQUESTS = Counter("skillcache_requests_total", "HTTP requests", ["route", "status"])
+REQUESTS = Counter("skillcache_requests_total", "HTTP requests (namespace: the caller's; empty when unauthenticated)",
+                   ["route", "status", "namespace"])
 ERRORS = Counter("skillcache_errors_total", "Errors returned, by stable error_type", ["error_type"])
 TTFT = Histogram("skillcache_ttft_seconds", "Time to first token", ["mode"], buckets=_LATENCY_BUCKETS)
 STAGE = Histogram(
@@ -29,3 +30,11 @@ STORE_CORRUPT = Counter(
 STORE_ERRORS = Counter("skillcache_store_errors_total", "Backend errors (I/O, connection)", ["tier"])
 STORE_UP = Gauge("skillcache_store_up", "1 when a backend is reachable", ["tier"])
 MEMORY_BYTES = Gauge("skillcache_memory_tier_bytes", "Bytes held by the memory tier")
+
+# fidelity: calibration and shadow verification
+CALIBRATIONS = Counter("skillcache_calibrations_total", "Seam calibrations run", ["result"])
+SHADOW_CHECKS = Counter("skillcache_shadow_checks_total", "Compose requests re-run in full off the hot path",
+                        ["result"])
+SHADOW_COSINE = Histogram("skillcache_shadow_cosine", "First-token logit cosine, compose vs full (shadow)",
+                          buckets=(0.9, 0.99, 0.995, 0.999, 0.9995, 0.9999, 1.0))
+DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")

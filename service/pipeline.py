@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.config import Settings
 from service.edits import check_fields, plan_edit
+from service.guard import FidelityGuard
 from service.errors import InvalidRequest, LimitExceeded
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
@@ -54,6 +55,10 @@ class Prepared:
     plan: object
     t_start: float
     store_ms: float
+    keys: list[str]  # block keys, for the fidelity guard
+    seams: list[int]  # per skill
+    paths: list[str]  # per skill: "compose" or "full" (degraded after a failed shadow check)
+    mode: str  # what actually runs: "compose" or "full"
 
 
 @dataclass
@@ -75,6 +80,7 @@ class ComposePipeline:
         self.registry = registry
         self.store = store
         self.worker = worker
+        self.guard = FidelityGuard(settings, runtime, worker, store)
 
     async def block_for(self, namespace: str, text: str):
         """The block of exactly `text` (from a tier, or compiled once in the worker)."""
@@ -89,27 +95,36 @@ class ComposePipeline:
 
         block, source = await self.store.get_or_compile(key, compile_fn)
         metrics.SKILL_HITS.labels(source).inc()
+        self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
+
+    def check_request(self, skills: list, max_tokens: int) -> None:
+        if len(skills) > self.settings.max_skills_per_request:
+            raise LimitExceeded(
+                f"{len(skills)} skills requested; the limit is {self.settings.max_skills_per_request} "
+                "(SKILLCACHE_MAX_SKILLS_PER_REQUEST)"
+            )
+        if max_tokens > self.settings.max_tokens_cap:
+            raise LimitExceeded(
+                f"max_tokens {max_tokens} exceeds the cap {self.settings.max_tokens_cap} (SKILLCACHE_MAX_TOKENS_CAP)"
+            )
 
     async def prepare(self, p: ComposeParams) -> Prepared:
         t0 = time.perf_counter()
-        if len(p.skills) > self.settings.max_skills_per_request:
-            raise LimitExceeded(
-                f"{len(p.skills)} skills requested; the limit is {self.settings.max_skills_per_request} "
-                "(SKILLCACHE_MAX_SKILLS_PER_REQUEST)"
-            )
-        if p.gen.max_tokens > self.settings.max_tokens_cap:
-            raise LimitExceeded(f"max_tokens {p.gen.max_tokens} exceeds the cap {self.settings.max_tokens_cap}")
+        self.check_request(p.skills, p.gen.max_tokens)
         records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
         if len({r.name for r in records}) != len(records):
             raise InvalidRequest("a skill may appear only once per request")
         check_fields(records, p.fields)
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
-        blocks, sources = [], []
+        blocks, sources, keys, seams = [], [], [], []
         for rec, edit in zip(records, edits):
             block, source = await self.block_for(p.namespace, edit.text)
+            key = str(self.registry.block_key(p.namespace, edit.text))
             blocks.append(block)
             sources.append(source)
+            keys.append(key)
+            seams.append(self.guard.seam_for(key, block, p.seam_tokens))
         store_ms = (time.perf_counter() - t0) * 1e3
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
         skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
@@ -118,15 +133,16 @@ class ComposePipeline:
         for seg in plan.segments:
             if seg.kind == "skill":
                 seg.recompute = list(edits[seg.skill_index].recompute)
-        self.rt.check_length(plan.n_tokens, p.gen.max_tokens, "full" if p.mode == "full" else "compose")
+        mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
+        self.rt.check_length(plan.n_tokens, p.gen.max_tokens, mode)
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
-        return Prepared(p, records, blocks, sources, report, plan, t0, store_ms)
+        return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
+                        [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode)
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
         """Submit to the worker and wait for the first event; returns the event stream."""
         p = prep.params
-        seam = self.settings.seam_tokens if p.seam_tokens is None else p.seam_tokens
-        mode = "full" if p.mode == "full" else "compose"
+        seam, mode = prep.seams, prep.mode
         box: dict = {}
 
         from service.runtime.decode import generate  # torch: loaded with the runtime, not the API
@@ -147,6 +163,8 @@ class ComposePipeline:
         while True:
             if isinstance(item, Done):
                 yield self._final(prep, item, box, mode)
+                if mode == "compose":  # after the response: never on the sampled request's clock
+                    self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
                 return
             yield item
             item = await anext(stream)
@@ -157,19 +175,20 @@ class ComposePipeline:
         metrics.TTFT.labels(mode).observe(box["ttft_ms"] / 1e3)
         metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
         metrics.STAGE.labels("decode").observe((total_ms - box["ttft_ms"]) / 1e3)
-        metrics.TOKENS.labels("reused").inc(pre.n_reused)
+        metrics.TOKENS.labels("composed").inc(pre.n_reused)
         metrics.TOKENS.labels("recomputed").inc(pre.n_recomputed)
         usage = {
-            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused,
-            "recomputed_tokens": pre.n_recomputed, "completion_tokens": len(done.token_ids),
+            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused, "composed_tokens": pre.n_reused,
+            "prefix_tokens": 0, "recomputed_tokens": pre.n_recomputed, "completion_tokens": len(done.token_ids),
         }
         timings = {
             "ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
             "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
         }
         skills = [
-            {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s}
-            for r, s in zip(prep.records, prep.sources)
+            {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s,
+             "path": mode if path == "compose" else path, "seam": seam if mode == "compose" else None}
+            for r, s, path, seam in zip(prep.records, prep.sources, prep.paths, prep.seams)
         ]
         return Final(done, usage, timings, skills, prep.edits)
 

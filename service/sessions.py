@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from service import metrics
 from service.edits import check_fields, plan_edit
-from service.errors import InvalidField, LimitExceeded, SessionBusy, SessionNotFound
+from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.kv.block import LAYOUT_VERSION
 from service.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
@@ -74,7 +75,10 @@ class SessionManager:
         if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
             raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
                                 "delete some first")
+        self.p.check_request(refs, 1)
         records = [await self.p.registry.get(ns, r.name, r.version) for r in refs]
+        if len({r.name for r in records}) != len(records):
+            raise InvalidRequest("a skill may appear only once per session")
         check_fields(records, fields)
         tmpl = self.p.settings.erratum_template
         edits = [plan_edit(self.rt.prompts, r, fields, "erratum", tmpl) for r in records]
@@ -113,6 +117,7 @@ class SessionManager:
     # ---- turns -----------------------------------------------------------------------------
     async def turn(self, ns: str, sid: str, user: str, fields: dict[str, str], gen: GenParams
                    ) -> AsyncIterator[Delta | Final]:
+        self.p.check_request([], gen.max_tokens)
         s = await self.get(ns, sid)
         if s.lock.locked():
             raise SessionBusy(f"session {sid!r} is already running a turn; wait for it to finish")
@@ -151,8 +156,8 @@ class SessionManager:
             box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=lcp, recomputed=len(ids) - lcp)
             pre = PrefillResult(s.cache, logits, len(ids), lcp, len(ids) - lcp)
             for ev in generate(self.rt, pre, gen, cancelled):
-                if isinstance(ev, Done):
-                    box["ids"] = ids + ev.token_ids[:-1] if ev.token_ids else list(ids)
+                if isinstance(ev, Done):  # the cache holds every forwarded token: the last sampled may not be
+                    box["ids"] = (ids + ev.token_ids)[: s.cache.get_seq_length()]
                 yield ev
 
         job = self.p.worker.submit(work)
@@ -170,7 +175,10 @@ class SessionManager:
                     s.messages = messages + [{"role": "assistant", "content": item.text, "ids": reply}]
                     s.fields.update(changed)
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
+                             "composed_tokens": 0, "prefix_tokens": box["reused"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
+                    metrics.TOKENS.labels("prefix").inc(box["reused"])
+                    metrics.TOKENS.labels("recomputed").inc(box["recomputed"])
                     timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
                                "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
                     edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []

@@ -116,7 +116,13 @@ class AppState:
             "skills_preloaded": self.preload,
             "error": self.load_error,
         }
-        return self.ready and definitions_ok, details
+        # Redis down after it was up: known skills are served from the read-through cache
+        # (store/definitions_cache.py), so stay in rotation rather than take every replica out at once.
+        cached = not definitions_ok and getattr(self.definitions, "serves_when_down", False) \
+            and getattr(self.definitions, "was_up", False)
+        if cached:
+            details["definitions"] = "down: serving cached definitions; registration and deletes fail until it is back"
+        return self.ready and (definitions_ok or cached), details
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():

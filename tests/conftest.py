@@ -15,3 +15,12 @@ def client(tmp_path):
         c.portal.call(app_state.wait_ready)
         assert app_state.ready, app_state.load_error
         yield c
+
+
+@pytest.fixture(scope="session")
+def embedded_runtime():
+    """The real embedded model (SmolLM2-135M-Instruct), loaded once per test session."""
+    from embedded_model import embedded_settings
+    from service.runtime import build_runtime
+
+    return build_runtime(embedded_settings())

@@ -109,3 +109,28 @@ def test_session_errors(app):
     mgr.live[sid].lock.release()
     assert app.delete(f"/v1/sessions/{sid}").json() == {"deleted": sid}
     assert app.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_turn_ending_on_eos_keeps_cache_and_ids_in_step(app):
+    """A reply that stops on end-of-sequence has every token forwarded: the next turn must still work."""
+    state = app.app.state.skillcache
+    rt = state.runtime
+    sid = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+    real = rt.eos_ids
+    try:
+        rt.eos_ids = set(range(rt.config.vocab_size))  # every token ends the reply at once
+        r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "Refund?", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["finish_reason"] == "stop"
+    finally:
+        rt.eos_ids = real
+    s = state.sessions.live[sid]
+    assert len(s.ids) == s.cache.get_seq_length()
+    assert app.post(f"/v1/sessions/{sid}/turns", json={"user": "Why?", "max_tokens": 2}).status_code == 200
+
+
+def test_session_limits(app):
+    r = app.post("/v1/sessions", json={"skills": ["policy", "policy"]})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request"
+    sid = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+    r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "x", "max_tokens": 100_000})
+    assert r.status_code == 413 and "SKILLCACHE_MAX_TOKENS_CAP" in r.json()["error"]["message"]

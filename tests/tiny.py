@@ -43,6 +43,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+SLIDING_WINDOW = 16  # smaller than the tests' blocks, so composed prompts run past it
+_ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1)
 _BASE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, vocab_size=512, tie_word_embeddings=False,
@@ -65,18 +70,53 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "yarn-scaling": ("qwen2", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
     }}),
+    # sliding window: alternating local/global layers (Gemma-2/3) or every layer (Mistral-style)
+    "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": SLIDING_WINDOW, "layer_types": _ALTERNATING}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "sliding_window": SLIDING_WINDOW, "layer_types": _ALTERNATING,
+                               "rope_parameters": {  # a local RoPE for sliding layers, a scaled global one
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+    "mistral-sliding": ("mistral", {"sliding_window": SLIDING_WINDOW,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    # MLA: V3 (interleaved RoPE weights, yarn with mscale != mscale_all_dim) and V2 (complex RoPE)
+    "deepseek_v3": ("deepseek_v3", {**_MLA, "rope_interleave": True, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    "deepseek_v2": ("deepseek_v2", {**_MLA, "q_lora_rank": None,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # M-RoPE (text path of the VLM; mrope_section sums to head_dim / 2)
+    "qwen2_vl": ("qwen2_vl", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                  "mrope_section": [2, 3, 3]}}),
+    "qwen2_5_vl": ("qwen2_5_vl", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                      "mrope_section": [2, 3, 3]}}),
+    # MoE
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # NoPE layers: SmolLM3 (every 2nd layer here) and Cohere-2 (global layers; local ones slide)
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0, 1], "pad_token_id": 2, "bos_token_id": 1, "eos_token_id": 2}),
+    "cohere2": ("cohere2", {"sliding_window": SLIDING_WINDOW, "layer_types": _ALTERNATING}),
 }
+EAGER = {"phi-partial", "gemma2"}  # gemma2: logit soft-capping is an eager-attention feature
+_VISION = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, spatial_merge_size=2, patch_size=4,
+               temporal_patch_size=2, in_channels=3, out_hidden_size=64, intermediate_size=64)
+_VLM = {"qwen2_vl": _VISION, "qwen2_5_vl": _VISION}  # keys one of the two vision configs does not use are ignored
 
 
 def tiny_config(family: str, **overrides):
     model_type, extra = FAMILIES[family]
-    return AutoConfig.for_model(model_type, **{**_BASE, **extra, **overrides})
+    kw = {**_BASE, **extra, **overrides}
+    if model_type in _VLM:  # the text model's settings go in text_config; a one-block vision tower
+        kw.update(bos_token_id=1, eos_token_id=2)
+        return AutoConfig.for_model(model_type, text_config=kw, vision_config=_VLM[model_type], image_token_id=500,
+                                    video_token_id=501, vision_start_token_id=502, tie_word_embeddings=False)
+    return AutoConfig.for_model(model_type, **kw)
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_runtime(family: str, dtype: torch.dtype = torch.float32) -> ModelRuntime:
     cfg = tiny_config(family)
-    cfg._attn_implementation = "eager" if family == "phi-partial" else "sdpa"
+    cfg._attn_implementation = "eager" if family in EAGER else "sdpa"
     loaded = build_random_model(cfg, tiny_tokenizer(), seed=0, dtype=dtype)
     fp = model_fingerprint(loaded.model, loaded.tokenizer, [], dtype)
     return ModelRuntime(loaded, fp)

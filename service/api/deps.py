@@ -6,9 +6,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.auth import Principal, authenticate
 from service.pipeline import ComposePipeline
 from service.sessions import SessionManager
-from service.state import DEFAULT_NAMESPACE, AppState
+from service.state import AppState
 
 
 def get_state(request: Request) -> AppState:
@@ -23,8 +24,9 @@ def get_sessions(state: Annotated[AppState, Depends(get_state)]) -> SessionManag
     return state.require_sessions()
 
 
-def get_namespace() -> str:
-    return DEFAULT_NAMESPACE
+def get_namespace(principal: Annotated[Principal, Depends(authenticate)]) -> str:
+    """The caller's namespace: the API key's, or "default" when auth is off (service/api/auth.py)."""
+    return principal.namespace
 
 
 State = Annotated[AppState, Depends(get_state)]

@@ -15,7 +15,8 @@ from service.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-_HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded", 415: "unsupported_media_type"}
+_HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded",
+               415: "unsupported_media_type"}
 
 
 def error_response(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:

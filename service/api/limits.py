@@ -20,19 +20,30 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max:
             return await self._reject(send)
         seen = 0
+        too_large = started = False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max:
+                    too_large = True
                     raise _TooLarge()
             return message
 
+        async def guarded_send(message):
+            nonlocal started
+            if too_large:
+                return  # the app's reply to a body it could not read (FastAPI makes it a 400): 413 instead
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, guarded_send)
         except _TooLarge:
+            pass
+        if too_large and not started:
             await self._reject(send)
 
     async def _reject(self, send) -> None:

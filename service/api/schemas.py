@@ -45,6 +45,9 @@ class SkillOut(BaseModel):
     created_at: float
     compiled: bool = False
     versions: list[int] = []
+    calibration: dict[str, Any] | None = Field(None, description="the seam chosen for this skill and its fidelity")
+    shadow: dict[str, Any] | None = Field(None, description="live shadow checks against full recompute")
+    degraded: bool = Field(False, description="a shadow check failed: served by full prefill until recalibrated")
 
 
 class SkillList(BaseModel):
@@ -83,7 +86,9 @@ class ComposeRequest(GenerationIn):
 
 class Usage(BaseModel):
     prompt_tokens: int
-    reused_tokens: int
+    reused_tokens: int  # composed_tokens + prefix_tokens
+    composed_tokens: int  # copied from precompiled blocks (re-rotated)
+    prefix_tokens: int  # an exact cached prefix (sessions)
     recomputed_tokens: int
     completion_tokens: int
 
@@ -100,6 +105,8 @@ class SkillUse(BaseModel):
     version: int
     content_hash: str
     source: Literal["memory", "disk", "redis", "compiled"]
+    path: Literal["compose", "full"]
+    seam: int | None = None
 
 
 class TopLogprob(BaseModel):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -10,10 +9,11 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
-from service.errors import ContextTooLong, InvalidRequest, UnsupportedModel
+from service.errors import ContextTooLong, InvalidRequest
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, block_from_cache, new_cache
 from service.kv.rope import KeyRotator
+from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
 from service.runtime.prompt import PromptBuilder, PromptPlan
 
@@ -28,18 +28,6 @@ class PrefillResult:
     n_reused: int  # block tokens copied (re-rotated) instead of recomputed
     n_recomputed: int  # tokens run through the model
     timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-def _rotary_modules(model) -> tuple[list[torch.nn.Module], list[int]]:
-    """The model's rotary embedding(s) and, per layer, which one it uses."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise UnsupportedModel(
-            f"{type(model).__name__} has no standard rotary embedding; re-rotation needs RoPE"
-        )
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return [rotary], [0] * n_layers
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -67,14 +55,7 @@ class ModelRuntime:
         self.config = self.model.config.get_text_config(decoder=True)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
         self.prompts = PromptBuilder(self.tokenizer)
-        rotaries, layer_rope = _rotary_modules(self.model)
-        apply_rotary = getattr(sys.modules[type(self.model).__module__], "apply_rotary_pos_emb", None)
-        if apply_rotary is None:
-            raise UnsupportedModel(f"{type(self.model).__module__} has no apply_rotary_pos_emb")
-        rope = getattr(self.config, "rope_parameters", None) or {}
-        self.rotator = KeyRotator(
-            rotaries, layer_rope, apply_rotary, original_max_positions=rope.get("original_max_position_embeddings")
-        )
+        self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.tokenizer.eos_token_id is not None:
@@ -113,11 +94,11 @@ class ModelRuntime:
 
     @torch.inference_mode()
     def prefill(
-        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int = 4
+        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4
     ) -> PrefillResult:
         """Build the request's cache for `plan` and return the next-token logits.
 
-        compose: text segments and the first `seam_tokens` of each block run through the model
+        compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the model
         against the real preceding context; the rest of each block is re-rotated from its
         canonical copy. full: the token-identical full recompute of plan.ids.
         """
@@ -148,7 +129,8 @@ class ModelRuntime:
             if len(block.token_ids) != len(seg.ids):
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
             # spans run through the model with the prompt's ids: the seam, then any edited field spans
-            spans = _merge([(0, min(seam_tokens, block.n_tokens)), *seg.recompute])
+            seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
+            spans = _merge([(0, min(seam, block.n_tokens)), *seg.recompute])
             if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
             start, cursor = pos, 0  # start: the block's offset in the prompt

@@ -16,6 +16,7 @@ from service.runtime.prompt import PromptPlan
 class Fidelity:
     cosine: float  # first-token logits
     top1_agree: bool
+    decisive: bool  # the full recompute's top-1 leads the runner-up by a clear margin (p1 - p2 >= 0.05)
     kl: float  # KL(full || compose) of the first-token distribution
     greedy_match: bool | None  # identical greedy continuation of n_greedy tokens
     greedy_prefix: int | None  # tokens before the first divergence
@@ -32,7 +33,8 @@ def _greedy(rt: ModelRuntime, pre, n: int) -> list[int]:
 
 
 def compare(
-    rt: ModelRuntime, plan: PromptPlan, blocks: list[KVBlock], seam_tokens: int, n_greedy: int = 0
+    rt: ModelRuntime, plan: PromptPlan, blocks: list[KVBlock], seam_tokens: int | list[int], n_greedy: int = 0,
+    tie_margin: float = 0.05,
 ) -> Fidelity:
     comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=seam_tokens)
     full = rt.prefill(plan, blocks, mode="full")
@@ -46,4 +48,6 @@ def compare(
         g_comp = _greedy(rt, comp, n_greedy)
         match = g_full == g_comp
         prefix = next((i for i, (x, y) in enumerate(zip(g_full, g_comp)) if x != y), min(len(g_full), len(g_comp)))
-    return Fidelity(cos, bool(a.argmax() == b.argmax()), kl, match, prefix, plan.n_tokens, comp.n_reused)
+    p = torch.topk(torch.softmax(b, -1), 2).values
+    decisive = float(p[0] - p[1]) >= tie_margin
+    return Fidelity(cos, bool(a.argmax() == b.argmax()), decisive, kl, match, prefix, plan.n_tokens, comp.n_reused)

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from service.errors import ModelLoadError
+from service.runtime.adapters import model_class_for
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def load_model(model: str, models_dir: Path, device: str = "auto", dtype: str = 
     src = str(path) if path is not None else model
     try:
         tok = AutoTokenizer.from_pretrained(src)
-        m = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+        m = model_class_for(AutoConfig.from_pretrained(src)).from_pretrained(src, dtype=dt)  # VLMs: text path
     except OSError as e:
         raise ModelLoadError(f"cannot load model {model!r}: {e}") from e
     m.to(dev).eval()
@@ -118,7 +119,7 @@ def load_model(model: str, models_dir: Path, device: str = "auto", dtype: str = 
 def build_random_model(config, tokenizer: PreTrainedTokenizerBase, seed: int = 0, dtype=torch.float32) -> LoadedModel:
     """A random-weight model from a config: tests and GPU benchmarks need structure, not quality."""
     torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    m = model_class_for(config).from_config(config, dtype=dtype).eval()
     return LoadedModel(
         model=m, tokenizer=tokenizer, name=f"random-{config.model_type}", source_files=[],
         device=torch.device("cpu"), dtype=dtype,

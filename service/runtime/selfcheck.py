@@ -14,7 +14,7 @@ from service.runtime.engine import ModelRuntime
 @dataclass
 class SelfCheckReport:
     ok: bool
-    max_abs_err: float  # re-rotated keys vs keys computed at the offset, every layer
+    max_abs_err: float  # moved K and V vs K and V computed at the offset, every layer
     tolerance: float
     offset: int
     n_tokens: int
@@ -42,12 +42,12 @@ def run_selfcheck(rt: ModelRuntime, n_tokens: int = 16, offset: int = 777) -> Se
         block = rt.compile_block(ids)
         cache = new_cache(rt.model.config)
         rt.forward(ids, offset, cache)
-        moved = rt.rotator.rotate_layers(block.keys, offset)
+        moved_k, moved_v = rt.rotator.move_layers(block.keys, block.values, offset)  # MLA moves the value slot
         err, scale = 0.0, 0.0
-        for layer, k in enumerate(moved):
-            direct = cache.layers[layer].keys.float()  # [1, H_kv, N, D]
-            err = max(err, float((k.float() - direct).abs().max()))
-            scale = max(scale, float(direct.abs().max()))
+        for layer, (k, v) in enumerate(zip(moved_k, moved_v)):
+            for got, direct in ((k, cache.layers[layer].keys), (v, cache.layers[layer].values)):  # [1, H, N, D]
+                err = max(err, float((got.float() - direct.float()).abs().max()))
+                scale = max(scale, float(direct.float().abs().max()))
         eps = 1e-4 if block.dtype == torch.float32 else 4e-2
         tol = eps * max(1.0, scale)
         ok = err <= tol

@@ -30,7 +30,10 @@ class Job:
         return self.cancel_event.is_set()
 
     def _emit(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is waiting; keep the worker alive
+            self.cancel_event.set()
 
     def run(self) -> None:
         try:

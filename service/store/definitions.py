@@ -195,5 +195,9 @@ class DiskDefinitionStore(DefinitionStore):
         return await asyncio.to_thread(self._delete, namespace, name)
 
     async def ping(self) -> bool:
-        d = self.root if self.root.exists() else self.root.parent
+        """The root, or its nearest existing ancestor on a fresh home (the first write creates the rest), is a
+        writable directory."""
+        d = self.root
+        while not d.exists() and d.parent != d:
+            d = d.parent
         return d.is_dir() and os.access(d, os.R_OK | os.W_OK | os.X_OK)

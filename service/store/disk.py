@@ -28,8 +28,10 @@ class DiskBlockStore(BlockStore):
 
     name = "disk"
 
-    def __init__(self, root: Path | str, *, sweep_temp_age_s: float | None = 3600.0) -> None:
+    def __init__(self, root: Path | str, *, sweep_temp_age_s: float | None = 3600.0,
+                 compression: str = "none") -> None:
         self.root = Path(root)
+        self.compression = compression  # "none" | "int8" (serde.encode_block); reads follow the payload
         self.last_error: str | None = None
         if sweep_temp_age_s is not None and self.root.is_dir():
             sweep_temp(self.root, sweep_temp_age_s)
@@ -70,7 +72,7 @@ class DiskBlockStore(BlockStore):
             log.warning("disk store: could not remove corrupt %s: %s", path, e)
 
     def _store(self, key: BlockKey, block: KVBlock) -> None:
-        data = encode_block(key, block)
+        data = encode_block(key, block, self.compression)
         try:
             atomic_write(self.path_for(key), data)
         except OSError as e:

@@ -78,12 +78,13 @@ class RedisBlockStore(BlockStore):
 
     def __init__(self, url: str, chunk_bytes: int = 32 * 1024 * 1024, ttl_s: int | None = None,
                  prefix: str = "skillcache", *, connect_timeout_s: float = 2.0, op_timeout_s: float = 5.0,
-                 pending_ttl_s: int = 3600) -> None:
+                 pending_ttl_s: int = 3600, compression: str = "none") -> None:
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be >= 1")
         self.url, self.where = url, redacted(url)
         self.chunk_bytes, self.ttl_s, self.prefix = chunk_bytes, ttl_s, check_name(prefix, "prefix")
         self.pending_ttl_s = pending_ttl_s
+        self.compression = compression  # "none" | "int8" (serde.encode_block); reads follow the payload
         self._r = make_client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
         self._cad = self._r.register_script(_COMPARE_AND_DELETE)
         self.last_error: str | None = None
@@ -147,7 +148,7 @@ class RedisBlockStore(BlockStore):
 
     async def put(self, key: BlockKey, block: KVBlock) -> None:
         def encode() -> tuple[bytes, str]:
-            data = encode_block(key, block)
+            data = encode_block(key, block, self.compression)
             return data, hashlib.sha256(data).hexdigest()
 
         data, sha = await asyncio.to_thread(encode)

@@ -1,4 +1,10 @@
-"""KVBlock <-> safetensors bytes, with a checksum and the key's identity in the metadata."""
+"""KVBlock <-> safetensors bytes, with a checksum and the key's identity in the metadata.
+
+Compression (opt-in, Settings.kv_compression): "none" stores K/V as they are (k.i, v.i in the model
+dtype); "int8" stores k.i, v.i as int8 with float32 scales ks.i, vs.i (service.kv.quant; the scale
+axes are recorded in the metadata) and decodes back to the model dtype. The checksum covers the
+stored tensors either way.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.kv.block import KVBlock
+from service.kv.quant import AXES, DEFAULT_INT8, Int8Scheme, dequantize, quantize_block, scale_shape
 from service.store.errors import (
     REASON_CHECKSUM, REASON_DTYPE, REASON_FINGERPRINT, REASON_FORMAT, REASON_KEY, REASON_LAYOUT,
     REASON_SHAPE, CorruptBlock,
@@ -21,6 +28,7 @@ from service.store.key import BlockKey
 FORMAT = "skillcache-kv"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}  # "torch.float32" -> dtype
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+COMPRESSIONS = ("none", "int8")
 
 
 def _owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -53,16 +61,23 @@ def _checksum(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _ordered(keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: torch.Tensor):
-    """Checksum order: k.0, v.0, k.1, v.1, ..., token_ids."""
-    for k, v in zip(keys, values):
-        yield k
-        yield v
-    yield token_ids
+def _names(n_layers: int, compression: str) -> list[str]:
+    """Stored tensor names in checksum order: k.0, v.0, k.1, ... (int8: k.0, ks.0, v.0, vs.0, ...)."""
+    per = ("k", "v") if compression == "none" else ("k", "ks", "v", "vs")
+    return [f"{p}.{i}" for i in range(n_layers) for p in per]
 
 
-def encode_block(key: BlockKey, block: KVBlock) -> bytes:
-    """Serialize `block` (stored under `key`) to safetensors bytes."""
+def _ordered(tensors: dict[str, torch.Tensor], n_layers: int, compression: str):
+    """Checksum order: the stored K/V tensors (see _names), then token_ids."""
+    for name in _names(n_layers, compression):
+        yield tensors[name]
+    yield tensors["token_ids"]
+
+
+def encode_block(key: BlockKey, block: KVBlock, compression: str = "none", scheme: Int8Scheme = DEFAULT_INT8) -> bytes:
+    """Serialize `block` (stored under `key`) to safetensors bytes; `compression` is "none" or "int8"."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown kv compression {compression!r}; expected one of {COMPRESSIONS}")
     if block.model_fingerprint != key.model_fingerprint:
         raise ValueError(f"block fingerprint {block.model_fingerprint!r} != key's {key.model_fingerprint!r}")
     if block.layout_version != key.layout_version:
@@ -77,10 +92,13 @@ def encode_block(key: BlockKey, block: KVBlock) -> bytes:
         raise ValueError("all K/V tensors of a block must share one dtype")
     token_ids = torch.tensor(block.token_ids, dtype=torch.int64)  # [N]
     tensors: dict[str, torch.Tensor] = {"token_ids": token_ids}
-    for i, (k, v) in enumerate(zip(keys, values)):
-        tensors[f"k.{i}"] = k
-        tensors[f"v.{i}"] = v
     metadata = {f"meta.{name}": str(val) for name, val in block.meta.items()}
+    if compression == "none":
+        stored = [t for kv in zip(keys, values) for t in kv]  # L x ([1, H_kv, N, D], [1, H_kv, N, D])
+    else:  # L x (q_k int8 [1, H_kv, N, D], s_k fp32, q_v int8, s_v fp32)
+        stored = _owned([t for layer in quantize_block(block, scheme) for t in layer])
+        metadata.update(k_scale_axis=scheme.k_axis, v_scale_axis=scheme.v_axis)
+    tensors.update(zip(_names(block.n_layers, compression), stored))
     metadata.update(
         format=FORMAT,
         layout_version=str(key.layout_version),
@@ -90,7 +108,8 @@ def encode_block(key: BlockKey, block: KVBlock) -> bytes:
         n_tokens=str(block.n_tokens),
         n_layers=str(block.n_layers),
         dtype=str(block.dtype),
-        checksum=_checksum(_ordered(keys, values, token_ids)),
+        kv_compression=compression,
+        checksum=_checksum(_ordered(tensors, block.n_layers, compression)),
     )
     return st_save(tensors, metadata=metadata)
 
@@ -121,8 +140,12 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
         layout, n_tokens, n_layers = int(meta["layout_version"]), int(meta["n_tokens"]), int(meta["n_layers"])
         fingerprint, namespace, content_hash = meta["model_fingerprint"], meta["namespace"], meta["content_hash"]
         dtype_name, checksum = meta["dtype"], meta["checksum"]
+        compression = meta.get("kv_compression", "none")  # blocks written before compression existed
+        axes = (meta["k_scale_axis"], meta["v_scale_axis"]) if compression == "int8" else ("", "")
     except (KeyError, ValueError) as e:
         raise CorruptBlock(REASON_FORMAT, f"metadata field {e}") from None
+    if compression not in COMPRESSIONS or (compression == "int8" and not set(axes) <= set(AXES)):
+        raise CorruptBlock(REASON_FORMAT, f"kv_compression {compression!r} with scale axes {axes}")
     if layout != expected_key.layout_version:
         raise CorruptBlock(REASON_LAYOUT, f"stored {layout}, expected {expected_key.layout_version}")
     if fingerprint != expected_key.model_fingerprint:
@@ -137,25 +160,40 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
     except Exception as e:  # safetensors raises its own SafetensorError / ValueError
         raise CorruptBlock(REASON_FORMAT, f"safetensors: {e}") from None
 
-    expected_names = {"token_ids"} | {f"{p}.{i}" for p in "kv" for i in range(n_layers)}
+    expected_names = {"token_ids", *_names(n_layers, compression)}
     if set(tensors) != expected_names or n_layers < 1:
         raise CorruptBlock(REASON_SHAPE, f"tensor names {sorted(tensors)[:6]}... for {n_layers} layers")
     token_ids = tensors["token_ids"]  # [N]
     if token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (n_tokens,):
         raise CorruptBlock(REASON_SHAPE, f"token_ids {token_ids.dtype} {tuple(token_ids.shape)}")
-    keys = [tensors[f"k.{i}"] for i in range(n_layers)]  # L x [1, H_kv, N, D]
+    keys = [tensors[f"k.{i}"] for i in range(n_layers)]  # L x [1, H_kv, N, D] (int8 when compressed)
     values = [tensors[f"v.{i}"] for i in range(n_layers)]  # L x [1, H_kv, N, D]
+    stored_dtype = dtype if compression == "none" else torch.int8
     for i, (k, v) in enumerate(zip(keys, values)):
-        if k.dtype != dtype or v.dtype != dtype:
-            raise CorruptBlock(REASON_DTYPE, f"layer {i}: {k.dtype}/{v.dtype}, metadata says {dtype}")
+        if k.dtype != stored_dtype or v.dtype != stored_dtype:
+            raise CorruptBlock(REASON_DTYPE, f"layer {i}: {k.dtype}/{v.dtype}, expected {stored_dtype}")
         if k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != n_tokens or v.dim() != 4 \
                 or v.shape[:3] != k.shape[:3]:
             raise CorruptBlock(REASON_SHAPE, f"layer {i}: k {tuple(k.shape)} v {tuple(v.shape)}")
-    if _checksum(_ordered(keys, values, token_ids)) != checksum:
+        if compression == "int8":
+            _check_scales(i, tensors[f"ks.{i}"], scale_shape(tuple(k.shape), axes[0]),
+                          tensors[f"vs.{i}"], scale_shape(tuple(v.shape), axes[1]))
+    if _checksum(_ordered(tensors, n_layers, compression)) != checksum:
         raise CorruptBlock(REASON_CHECKSUM)
+    if compression == "int8":  # the memory tier and the engine see model-dtype tensors
+        keys = [dequantize(q, tensors[f"ks.{i}"], dtype) for i, q in enumerate(keys)]
+        values = [dequantize(q, tensors[f"vs.{i}"], dtype) for i, q in enumerate(values)]
     user_meta = {name[5:]: val for name, val in meta.items() if name.startswith("meta.")}
     try:
         return KVBlock(keys=keys, values=values, token_ids=token_ids.tolist(),
                        model_fingerprint=fingerprint, layout_version=layout, meta=user_meta)
     except ValueError as e:
         raise CorruptBlock(REASON_SHAPE, str(e)) from None
+
+
+def _check_scales(layer: int, s_k: torch.Tensor, k_shape: tuple, s_v: torch.Tensor, v_shape: tuple) -> None:
+    for name, s, shape in (("ks", s_k, k_shape), ("vs", s_v, v_shape)):
+        if s.dtype != torch.float32:
+            raise CorruptBlock(REASON_DTYPE, f"layer {layer}: {name} is {s.dtype}, expected float32")
+        if tuple(s.shape) != shape:
+            raise CorruptBlock(REASON_SHAPE, f"layer {layer}: {name} {tuple(s.shape)}, expected {shape}")

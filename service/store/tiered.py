@@ -34,13 +34,15 @@ class TieredStore:
     """
 
     def __init__(self, tiers: list[BlockStore], *, lock_timeout_s: float = 60.0, lock_poll_s: float = 0.05,
-                 retry_interval_s: float = 2.0, background_fill: bool = True) -> None:
+                 retry_interval_s: float = 2.0, background_fill: bool = True,
+                 canonicalize: Callable[[KVBlock], KVBlock] | None = None) -> None:
         if not tiers:
             raise ValueError("need at least one tier")
         self.tiers = tiers
         self.lock_timeout_s, self.lock_poll_s = lock_timeout_s, lock_poll_s
         self.retry_interval_s = retry_interval_s
         self.background_fill = background_fill
+        self.canonicalize = canonicalize  # applied to compiled blocks (int8 storage: the read-back form)
         self._state = {t.name: _TierState() for t in tiers}
         self._inflight: dict[BlockKey, asyncio.Task[tuple[KVBlock, str]]] = {}
         self._fills: set[asyncio.Task[None]] = set()
@@ -248,6 +250,8 @@ class TieredStore:
     async def _compile(self, key: BlockKey, compile_fn: CompileFn) -> tuple[KVBlock, str]:
         block = await compile_fn()
         COMPILES.inc()
+        if self.canonicalize is not None:
+            block = await asyncio.to_thread(self.canonicalize, block)
         try:
             failed = await self.put(key, block)
             if failed:

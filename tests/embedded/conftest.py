@@ -1,26 +1,8 @@
 """The real embedded model (SmolLM2-135M-Instruct), loaded once per test session."""
 
-import os
-from pathlib import Path
-
 import pytest
 
-from service.config import Settings
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def embedded_settings(**overrides) -> Settings:
-    home = os.environ.get("SKILLCACHE_HOME")
-    base = {"home": Path(home)} if home else {}
-    return Settings(model="embedded", **{**base, **overrides})
-
-
-@pytest.fixture(scope="session")
-def embedded_runtime():
-    from service.runtime import build_runtime
-
-    return build_runtime(embedded_settings())
+from embedded_model import ROOT
 
 
 @pytest.fixture(scope="session")

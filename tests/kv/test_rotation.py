@@ -25,10 +25,10 @@ def test_rerotated_block_equals_block_compiled_at_offset(family, offset):
     ids = random_ids(48, seed=1)
     block = rt.compile_block(ids)
     direct = _compiled_at(rt, ids, offset)
-    moved = rt.rotator.rotate_layers(block.keys, offset)
+    moved_k, moved_v = rt.rotator.move_layers(block.keys, block.values, offset)  # MLA: k_pe sits in the V slot
     for layer, (k_direct, v_direct) in enumerate(direct):  # every layer: [1, H_kv, N, D]
-        torch.testing.assert_close(moved[layer], k_direct, atol=ATOL, rtol=1e-4, msg=f"K layer {layer}")
-        torch.testing.assert_close(block.values[layer], v_direct, atol=ATOL, rtol=1e-4, msg=f"V layer {layer}")
+        torch.testing.assert_close(moved_k[layer], k_direct, atol=ATOL, rtol=1e-4, msg=f"K layer {layer}")
+        torch.testing.assert_close(moved_v[layer], v_direct, atol=ATOL, rtol=1e-4, msg=f"V layer {layer}")
 
 
 @pytest.mark.parametrize("family", ["llama", "yarn-scaling"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
+from service.api.auth import RequireAdmin
 from service.api.deps import Namespace, Pipeline, State
 from service.api.schemas import ErrorResponse, SkillCreate, SkillDeleted, SkillList, SkillOut
 from service.registry.skill import SkillRecord
@@ -16,7 +17,7 @@ def _out(rec: SkillRecord, compiled: bool = False, versions: list[int] | None = 
     return SkillOut(**rec.public(), compiled=compiled, versions=versions or [rec.version])
 
 
-@router.post("", response_model=SkillOut, status_code=201, responses=_ERRORS)
+@router.post("", response_model=SkillOut, status_code=201, responses=_ERRORS, dependencies=[RequireAdmin])
 async def register_skill(
     body: SkillCreate, response: Response, state: State, pipeline: Pipeline, ns: Namespace,
     compile: bool = Query(True, description="compile the KV block now (false: on first use)"),
@@ -38,10 +39,12 @@ async def list_skills(pipeline: Pipeline, ns: Namespace) -> SkillList:
 async def get_skill(name: str, pipeline: Pipeline, ns: Namespace, version: int | None = Query(None, ge=1)) -> SkillOut:
     rec = await pipeline.registry.get(ns, name, version)
     key = pipeline.registry.block_key(ns, rec.default_text)
-    return _out(rec, compiled=await pipeline.store.contains(key), versions=await pipeline.registry.versions(ns, name))
+    block, _ = await pipeline.store.get(key)
+    out = _out(rec, compiled=block is not None, versions=await pipeline.registry.versions(ns, name))
+    return out.model_copy(update=pipeline.guard.report(str(key), block))
 
 
-@router.delete("/{name}", response_model=SkillDeleted, responses=_ERRORS)
+@router.delete("/{name}", response_model=SkillDeleted, responses=_ERRORS, dependencies=[RequireAdmin])
 async def delete_skill(name: str, pipeline: Pipeline, ns: Namespace) -> SkillDeleted:
     """Remove every version of the definition and its blocks in every tier."""
     records = await pipeline.registry.delete(ns, name)

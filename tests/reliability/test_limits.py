@@ -1,0 +1,125 @@
+"""Limits and backpressure: body size, skill tokens, skills per request, context length, max_tokens, the per-key
+rate limit, the bounded inference queue and live sessions per tenant. Each is refused with a documented
+error and the service keeps serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from conftest import ADMIN, OTHER, USER, app_client, bearer, write_keys
+from service.api.auth import RateLimiter
+
+TEXT = "Refunds are allowed within 30 days of delivery when the item is unused."
+
+
+def _err(r) -> str:
+    return r.json()["error"]["type"]
+
+
+def test_size_limits(tmp_path):
+    with app_client(tmp_path, max_body_bytes=12000, max_skill_tokens=40, max_skills_per_request=2,
+                    max_tokens_cap=16) as c:
+        for i in range(3):
+            assert c.post("/v1/skills", json={"name": f"s{i}", "text": f"{TEXT} {i}"}).status_code == 201
+        # body size: declared and chunked (no content-length) bodies alike
+        r = c.post("/v1/skills", json={"name": "huge", "text": "a " * 7000})
+        assert r.status_code == 413 and _err(r) == "limit_exceeded" and "SKILLCACHE_MAX_BODY_BYTES" in r.text
+        r = c.post("/v1/skills", content=iter([b'{"name": "x", "text": "', b"a" * 13000, b'"}']),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413 and _err(r) == "limit_exceeded"
+        # skill tokens
+        r = c.post("/v1/skills", json={"name": "long", "text": TEXT * 5})
+        assert r.status_code == 413 and "SKILLCACHE_MAX_SKILL_TOKENS" in r.text
+        # skills per request
+        r = c.post("/v1/compose", json={"skills": ["s0", "s1", "s2"], "user": "hi", "max_tokens": 1})
+        assert r.status_code == 413 and "SKILLCACHE_MAX_SKILLS_PER_REQUEST" in r.text
+        # max_tokens over the cap, and over the schema's own bound
+        r = c.post("/v1/compose", json={"skills": ["s0"], "user": "hi", "max_tokens": 17})
+        assert r.status_code == 413 and _err(r) == "limit_exceeded"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 17})
+        assert r.status_code == 413 and _err(r) == "limit_exceeded"
+        r = c.post("/v1/compose", json={"user": "hi", "max_tokens": 10**12})
+        assert r.status_code == 422 and _err(r) == "invalid_request"
+        # context length: the tiny model has 4096 positions
+        r = c.post("/v1/compose", json={"skills": ["s0"], "user": "zq " * 2500, "max_tokens": 16})
+        assert r.status_code == 422 and _err(r) == "context_too_long"
+        # nothing above broke anything
+        r = c.post("/v1/compose", json={"skills": ["s0", "s1"], "user": "hi", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert len(c.get("/v1/skills").json()["skills"]) == 3
+
+
+def test_token_bucket():
+    rl = RateLimiter(rps=2, burst=3)
+    assert [rl.acquire("a", now=0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert rl.acquire("a", now=0.0) == pytest.approx(0.5)  # one token every 0.5 s
+    assert rl.acquire("b", now=0.0) == 0.0  # buckets are per caller
+    assert rl.acquire("a", now=0.5) == 0.0
+    assert rl.acquire("a", now=0.5) > 0
+    assert rl.acquire("a", now=100.0) == 0.0  # refilled, but never above the burst
+    assert [rl.acquire("a", now=100.0) for _ in range(3)][-1] > 0
+    assert RateLimiter(rps=0.5).burst == 1 and RateLimiter(rps=10).burst == 10
+    small = RateLimiter(rps=1, max_buckets=100)
+    for i in range(1000):
+        small.acquire(f"k{i}", now=float(i))
+    assert len(small._buckets) == 100  # bounded however many callers come
+
+
+def test_rate_limit_per_key_is_429_with_retry_after(tmp_path):
+    with app_client(tmp_path, api_keys_file=write_keys(tmp_path / "keys.json"), rate_limit_rps=2,
+                    rate_limit_burst=3) as c:
+        codes = [c.get("/v1/skills", headers=bearer(USER)).status_code for _ in range(4)]
+        assert codes[:3] == [200, 200, 200] and codes[3] == 429, codes
+        r = c.get("/v1/skills", headers=bearer(USER))
+        assert r.status_code == 429 and _err(r) == "rate_limited"
+        assert int(r.headers["retry-after"]) >= 1 and "SKILLCACHE_RATE_LIMIT_RPS" in r.text
+        assert c.get("/v1/skills", headers=bearer(ADMIN)).status_code == 200  # another key: its own bucket
+        assert c.get("/v1/skills", headers=bearer(OTHER)).status_code == 200
+        assert c.get("/livez").status_code == 200 and c.get("/metrics").status_code == 200  # never limited
+        r = c.get("/v1/skills", headers=bearer("unknown-key-000000000000"))
+        assert r.status_code == 401  # unknown keys are refused before they reach a bucket
+        time.sleep(0.6)
+        assert c.get("/v1/skills", headers=bearer(USER)).status_code == 200  # refilled
+
+
+def test_bounded_queue_sheds_load_then_recovers(tmp_path):
+    with app_client(tmp_path, queue_size=2) as c:
+        assert c.post("/v1/skills", json={"name": "a", "text": TEXT}).status_code == 201
+        worker = c.app.state.skillcache.worker
+        gate = threading.Event()
+
+        async def block():
+            return worker.submit(lambda cancelled: gate.wait(10))
+
+        try:
+            c.portal.call(block)  # occupies the worker
+            deadline = time.monotonic() + 10
+            while not worker.busy or worker.queue.qsize():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            c.portal.call(block)
+            c.portal.call(block)  # the queue (2) is full
+            r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1})
+            assert r.status_code == 429 and _err(r) == "overloaded" and r.headers["retry-after"] == "1"
+        finally:
+            gate.set()
+        deadline = time.monotonic() + 10
+        while worker.queue.qsize() or worker.busy:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_live_sessions_are_limited_per_tenant(tmp_path):
+    with app_client(tmp_path, api_keys_file=write_keys(tmp_path / "keys.json"), max_sessions=2) as c:
+        for key in (ADMIN, OTHER):
+            assert c.post("/v1/skills", json={"name": "a", "text": TEXT}, headers=bearer(key)).status_code == 201
+        for _ in range(2):
+            assert c.post("/v1/sessions", json={"skills": ["a"]}, headers=bearer(USER)).status_code == 201
+        r = c.post("/v1/sessions", json={"skills": ["a"]}, headers=bearer(ADMIN))  # same tenant, other key
+        assert r.status_code == 413 and _err(r) == "limit_exceeded" and "SKILLCACHE_MAX_SESSIONS" in r.text
+        assert c.post("/v1/sessions", json={"skills": ["a"]}, headers=bearer(OTHER)).status_code == 201

@@ -1,0 +1,90 @@
+"""Fidelity guard: seam calibration, shadow verification and the fallback to full prefill."""
+
+import time
+
+import pytest
+
+from appclient import make_client
+from service.runtime.calibrate import calibrate
+from tiny import random_ids, tiny_runtime
+
+
+def test_calibration_picks_a_larger_seam_for_a_stricter_threshold():
+    rt = tiny_runtime("llama")
+    block = rt.compile_block(random_ids(40, seed=21))
+    loose = calibrate(rt, block, [0, 1, 2, 4, 8, 16, 32], min_cosine=0.0, tie_margin=0.05)
+    strict = calibrate(rt, block, [0, 1, 2, 4, 8, 16, 32], min_cosine=0.9999999, tie_margin=0.05)
+    assert loose.passed and loose.seam == 0
+    assert strict.seam > loose.seam
+    assert strict.passed and strict.cosine_min >= 0.9999999  # at the whole block composition is exact
+
+
+def test_calibration_is_stored_with_the_block_and_reported(tmp_path):
+    with make_client(tmp_path, seam_auto=True, fidelity_min_cosine=0.0) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "a", "text": "Refunds are allowed within 30 days of delivery."})
+        c.portal.call(state.pipeline.guard.drain)
+        info = c.get("/v1/skills/a").json()
+        assert info["calibration"]["seam"] == 0 and info["calibration"]["passed"]
+        r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1}).json()
+        assert r["skills"][0]["seam"] == 0 and r["skills"][0]["path"] == "compose"
+        # the calibration travels with the block: a new process reads it from disk
+        key = state.registry.block_key("default", "Refunds are allowed within 30 days of delivery.")
+        from service.store.disk import DiskBlockStore
+
+        stored = c.portal.call(DiskBlockStore(tmp_path / "store" / "blocks").get, key)
+        assert "calibration" in stored.meta
+
+
+def test_shadow_runs_after_the_response_and_records_fidelity(tmp_path):
+    with make_client(tmp_path, shadow_sample_rate=1.0) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "a", "text": "Refunds are allowed within 30 days of delivery."})
+        sent = time.monotonic()
+        r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 3})
+        guard = state.pipeline.guard
+        c.portal.call(guard.drain)
+        timings = r.json()["timings"]
+        first_token_at = sent + timings["ttft_ms"] / 1e3
+        # the shadow recompute starts only after the sampled request's whole response was produced
+        assert guard.shadow_started and guard.shadow_started[-1] >= sent + timings["total_ms"] / 1e3 - 0.005
+        print(f"sampled request: ttft {timings['ttft_ms']:.1f} ms, total {timings['total_ms']:.1f} ms; shadow "
+              f"started {1e3 * (guard.shadow_started[-1] - first_token_at):.1f} ms after its first token")
+        info = c.get("/v1/skills/a").json()
+        assert info["shadow"]["checks"] == 1
+        text = c.get("/metrics").text
+        assert "skillcache_shadow_checks_total" in text
+
+
+@pytest.mark.slow
+def test_broken_composition_is_caught_and_served_by_full_prefill(tmp_path, embedded_runtime):
+    """No re-rotation (a deliberate bug) fails the shadow check; the skill then runs in full."""
+    rt = embedded_runtime
+    with make_client(tmp_path, runtime=rt, shadow_sample_rate=1.0, seam_auto=False) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        from pathlib import Path
+
+        from skillcache_client.skillfile import parse_skill_file
+
+        root = Path(__file__).resolve().parents[1] / "skills"
+        for name in ("tool-specs", "refund-policy"):
+            spec = parse_skill_file(root / f"{name}.md")
+            c.post("/v1/skills", json={"name": name, "text": spec["text"], "fields": spec["fields"]})
+        body = {"skills": ["tool-specs", "refund-policy"], "user": "Can I get a refund?", "max_tokens": 2}
+        original = rt.rotator.rotate_layers
+        rt.rotator.rotate_layers = lambda keys, delta: list(keys)
+        try:
+            first = c.post("/v1/compose", json=body).json()
+            assert first["skills"][1]["path"] == "compose"
+            c.portal.call(state.pipeline.guard.drain)
+        finally:
+            rt.rotator.rotate_layers = original
+        guard = state.pipeline.guard
+        assert guard.degraded, "the shadow check did not catch the broken composition"
+        after = c.post("/v1/compose", json=body).json()
+        assert {s["path"] for s in after["skills"]} == {"full"}
+        assert after["usage"]["composed_tokens"] == 0
+        assert c.get("/v1/skills/refund-policy").json()["degraded"]
