@@ -1,7 +1,9 @@
 """Compose vs the token-identical full recompute: first-token logits and greedy continuations.
 
     python bench/fidelity.py --json bench/out/fidelity.json --png docs/img/fidelity.png
-    python bench/fidelity.py --parts a d --seams 0 4 --cases 0 4 --greedy 16 --json bench/out/fid-small.json  # quick
+    python bench/fidelity.py --parts a d --seams 0 4 --cases 0 4 7 --greedy 16 --threads 1   # quick (~1.5 min)
+
+The default run takes about 6-8 minutes with the embedded model on a quiet 2-core CPU.
 
 Every case is a prompt built like the service builds it ([system][skill blocks][user turn], the
 skills tokenized alone, as precompiled), run twice over the identical ids: `full` prefills every
@@ -122,7 +124,7 @@ def logit_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     kl = float(torch.nn.functional.kl_div(torch.log_softmax(a, -1), torch.log_softmax(b, -1),
                                           log_target=True, reduction="sum"))
-    return {"cosine": cos, "top1": bool(a.argmax() == b.argmax()), "kl": max(kl, 0.0)}
+    return {"cosine": cos, "top1": bool(a.argmax() == b.argmax()), "kl": max(kl, 0.0)}  # KL: clip float noise
 
 
 @contextlib.contextmanager
@@ -155,6 +157,8 @@ class Case:
         full = rt.prefill(plan, blocks, mode="full")
         self.full_ms = (time.perf_counter() - t0) * 1e3
         self.full_logits = full.logits.clone()
+        p = torch.softmax(self.full_logits.float(), -1).topk(2).values
+        self.margin = float(p[0] - p[1])  # top-1 vs top-2 probability under the reference
         self.ref = greedy_ids(rt, full, n_greedy_ref) if n_greedy_ref else []
         del full
 
@@ -167,7 +171,8 @@ class Case:
             ms = (time.perf_counter() - t0) * 1e3
             row = {"part": self.part, "case": self.name, **self.info, "seam": seam, "rerotate": rotate,
                    "n_prompt": comp.n_prompt, "n_reused": comp.n_reused, "compose_ms": round(ms, 1),
-                   "full_ms": round(self.full_ms, 1), **logit_stats(comp.logits, self.full_logits)}
+                   "full_ms": round(self.full_ms, 1), "full_margin": self.margin,
+                   **logit_stats(comp.logits, self.full_logits)}
             gen = greedy_ids(rt, comp, n_greedy) if n_greedy else []
         prefix = next((i for i, (x, y) in enumerate(zip(self.ref, gen)) if x != y), min(len(self.ref), len(gen)))
         row["greedy_prefix"] = prefix if n_greedy else None
@@ -206,7 +211,8 @@ BLOCKS = _Blocks()
 def fmt_row(r: dict) -> str:
     g = " ".join(f"g{n}={'-' if v is None else int(v)}" for n, v in r["greedy"].items())
     return (f"  [{r['part']}] {r['case']:<48s} seam={r['seam']:>2d}{'' if r['rerotate'] else ' NO-ROT'} "
-            f"n={r['n_prompt']:5d} cos={r['cosine']:.5f} top1={int(r['top1'])} kl={r['kl']:.2e} {g} "
+            f"n={r['n_prompt']:5d} cos={r['cosine']:.5f} top1={int(r['top1'])} (p1-p2={r['full_margin']:.3f}) "
+            f"kl={r['kl']:.2e} {g} "
             f"prefix={r['greedy_prefix']} compose={r['compose_ms']:.0f}ms full={r['full_ms']:.0f}ms")
 
 
@@ -254,14 +260,18 @@ def run_parts(rt, args, compress) -> list[dict]:
 
 
 # ---- summaries ------------------------------------------------------------------------------
-def summarize(rows: list[dict], key, lengths: list[int]) -> list[dict]:
+def summarize(rows: list[dict], key, lengths: list[int], tie_margin: float) -> list[dict]:
+    """Per group; top1_decisive: top-1 agreement over the cases whose reference top-1 leads the
+    top-2 by at least tie_margin in probability (near-ties flip on any perturbation)."""
     groups: dict = {}
     for r in rows:
         groups.setdefault(key(r), []).append(r)
     out = []
     for k, rs in sorted(groups.items(), key=lambda kv: kv[0]):
+        dec = [r["top1"] for r in rs if r["full_margin"] >= tie_margin]
         s = {"key": k, "n": len(rs), "mean_cos": statistics.fmean(r["cosine"] for r in rs),
              "min_cos": min(r["cosine"] for r in rs), "top1": statistics.fmean(r["top1"] for r in rs),
+             "top1_decisive": statistics.fmean(dec) if dec else None, "n_decisive": len(dec),
              "mean_kl": statistics.fmean(r["kl"] for r in rs), "max_kl": max(r["kl"] for r in rs)}
         prefixes = [r["greedy_prefix"] for r in rs if r["greedy_prefix"] is not None]
         s["mean_prefix"] = statistics.fmean(prefixes) if prefixes else None
@@ -277,12 +287,14 @@ def print_table(title: str, label: str, summary: list[dict], lengths: list[int])
     if not summary:
         return
     print(f"\n{title}")
-    head = f"{label:>10s} {'n':>3s} {'mean cos':>9s} {'min cos':>9s} {'top-1':>6s} {'mean KL':>9s} {'max KL':>9s}"
+    head = (f"{label:>10s} {'n':>3s} {'mean cos':>9s} {'min cos':>9s} {'top-1':>6s} {'top-1 dec':>10s} "
+            f"{'mean KL':>9s} {'max KL':>9s}")
     head += "".join(f" {'greedy' + str(n):>10s}" for n in lengths) + f" {'agree toks':>10s}"
     print(head)
     for s in summary:
+        dec = "-" if s["top1_decisive"] is None else f"{s['top1_decisive']:.2f} ({s['n_decisive']:2d})"
         line = (f"{str(s['key']):>10s} {s['n']:3d} {s['mean_cos']:9.5f} {s['min_cos']:9.5f} {s['top1']:6.2f} "
-                f"{s['mean_kl']:9.2e} {s['max_kl']:9.2e}")
+                f"{dec:>10s} {s['mean_kl']:9.2e} {s['max_kl']:9.2e}")
         for n in lengths:
             v = s[f"greedy{n}"]
             line += f" {'-':>10s}" if v is None else f" {v:5.2f} ({s[f'greedy{n}_n']:2d})"
@@ -290,20 +302,23 @@ def print_table(title: str, label: str, summary: list[dict], lengths: list[int])
         print(line)
 
 
-def summaries(rows: list[dict], lengths: list[int]) -> dict:
+def summaries(rows: list[dict], lengths: list[int], tie_margin: float) -> dict:
     by_part = {p: [r for r in rows if r["part"] == p] for p in "abcd"}
     return {
-        "a_by_seam": summarize(by_part["a"], lambda r: r["seam"], lengths),
-        "b_by_n_skills": summarize(by_part["b"], lambda r: (r["n_skills"], r["seam"]), lengths),
-        "c_by_length": summarize(by_part["c"], lambda r: (r["length"], r["seam"]), lengths),
-        "d_no_rerotation_by_seam": summarize(by_part["d"], lambda r: r["seam"], lengths),
+        "a_by_seam": summarize(by_part["a"], lambda r: r["seam"], lengths, tie_margin),
+        "b_by_n_skills": summarize(by_part["b"], lambda r: (r["n_skills"], r["seam"]), lengths, tie_margin),
+        "c_by_length": summarize(by_part["c"], lambda r: (r["length"], r["seam"]), lengths, tie_margin),
+        "d_no_rerotation_by_seam": summarize(by_part["d"], lambda r: r["seam"], lengths, tie_margin),
         # the control's reference point: the same part-a cases with re-rotation, at the control's seams
         "d_rerotated_by_seam": summarize([r for r in by_part["a"] if r["seam"] in {x["seam"] for x in by_part["d"]}],
-                                         lambda r: r["seam"], lengths),
+                                         lambda r: r["seam"], lengths, tie_margin),
     }
 
 
 def print_summaries(s: dict, lengths: list[int]) -> None:
+    print("\ncos: first-token logit cosine; top-1 dec: top-1 agreement where the reference's top token leads by "
+          ">= --tie-margin (n); KL(full || compose); greedyN: identical N-token continuation (n); "
+          "agree toks: mean greedy tokens before the first divergence")
     print_table("(a) by seam size: compositions of shipped skills, re-rotated", "seam", s["a_by_seam"], lengths)
     print_table("(b) by number of composed skills", "(N, seam)", s["b_by_n_skills"], lengths)
     print_table("(c) by skill length", "(L, seam)", s["c_by_length"], lengths)
@@ -345,6 +360,7 @@ def plot(s: dict, lengths: list[int], default_seam: int, path: str, title: str) 
     for n in lengths:
         line(ax[0, 1], a, f"greedy{n}", "o-", f"greedy {n} tokens identical", ms=5 if n < max(lengths) else 9)
     line(ax[0, 1], a, "top1", "^--", "top-1 agrees")
+    line(ax[0, 1], a, "top1_decisive", "D-.", "top-1 agrees, decisive cases")
     line(ax[0, 1], d, "top1", "s:", "top-1, NO re-rotation", color="red")
     line(ax[0, 1], d, f"greedy{min(lengths)}", "x:", f"greedy {min(lengths)}, NO re-rotation", color="darkred")
     finish(ax[0, 1], ylim=(-0.05, 1.05), xticks=range(len(seams)), xticklabels=seams, xlabel="seam tokens",
@@ -401,6 +417,11 @@ def main() -> None:
     ap.add_argument("--length-questions", type=int, default=2, choices=[1, 2], help="part c: user turns per length")
     ap.add_argument("--long-text", nargs="*", help="part c text files (default /work/shared/reference/*.md)")
     ap.add_argument("--control-seams", type=int, nargs="+", default=[0, 4, 32], help="part d")
+    ap.add_argument("--tie-margin", type=float, default=0.05,
+                    help="'top-1 dec': top-1 agreement over cases whose reference p1 - p2 >= this")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default). On a shared CPU use 1: oversubscribed "
+                         "OpenMP threads make small forwards (seams, decode) 10x slower")
     ap.add_argument("--kv-compression", default="none", choices=["none", "int8"],
                     help="compose from int8-round-tripped blocks (service/kv/quant.py)")
     ap.add_argument("--json")
@@ -408,13 +429,15 @@ def main() -> None:
     args = ap.parse_args()
     args.greedy, args.seams = sorted(set(args.greedy)), sorted(set(args.seams))
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rt = load_runtime(args.model, args.device, args.dtype)
     compress = compressor(args.kv_compression)
     print(f"model={rt.loaded.name} device={rt.device} dtype={rt.loaded.dtype} kv={args.kv_compression} "
-          f"parts={''.join(args.parts)}", flush=True)
+          f"threads={torch.get_num_threads()} parts={''.join(args.parts)}", flush=True)
     rows = run_parts(rt, args, compress)
-    s = summaries(rows, args.greedy)
+    s = summaries(rows, args.greedy, args.tie_margin)
     print_summaries(s, args.greedy)
     elapsed = time.perf_counter() - t0
     print(f"\nelapsed {elapsed:.0f} s", flush=True)

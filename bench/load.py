@@ -2,7 +2,11 @@
 
     python bench/load.py --json bench/out/load.json --png docs/img/load.png          # starts its own service
     python bench/load.py --url http://127.0.0.1:8000 --rates 0.5 1 --requests 12    # a running service
-    python bench/load.py --requests 6 --rates 0.5 --concurrency 2 --scenarios order  # quick check
+    python bench/load.py --requests 6 --rates 0.5 --concurrency 2 --server-threads 1  # quick check, shared CPU
+
+Defaults (rates 0.2, 0.5, 1 req/s and closed loop with 4 clients, 12 requests per arm and rate) take
+about 11-12 minutes with the embedded model on a quiet 2-core CPU (a ~2.5k-token full prefill costs
+3-5 s there, so the in_place and full arms saturate at about 0.2-0.3 req/s); --deadline-s (900) bounds it.
 
 Like the paper's serving benchmark (METHOD.md section 6), scaled to a CPU and the embedded model:
 
@@ -29,6 +33,15 @@ served from a tier / all blocks served, `skillcache_skill_hits_total` as a delta
 when the arm uses no skills) and the prompt-token reuse ratio (sum reused_tokens / sum prompt_tokens).
 Rates run in the outer loop and arms in the inner one, so a --deadline-s cut drops the highest rates
 of every arm alike. Loopback only.
+
+Every request sends seam_tokens=--seam (4), so the composition is fixed. The service's fidelity guard
+runs full prefills on the same single worker in the background (a seam calibration after each block
+compile, shadow checks of 2% of compose requests); they stall whatever request arrives meanwhile. A
+service started here runs with it off (SKILLCACHE_SEAM_AUTO=false, SKILLCACHE_SHADOW_SAMPLE_RATE=0)
+unless --guard; against --url the script waits (--settle-s) for the used skills' calibrations and
+reports, per arm, how many guard jobs ran (column bg).
+On a shared CPU, run the service with --server-threads 1: oversubscribed OpenMP threads make the small
+forwards of compose and decode 10-30x slower.
 """
 
 from __future__ import annotations
@@ -103,7 +116,8 @@ def free_port() -> int:
 class Service:
     """`python -m service` on a free loopback port with a fresh home (the converted-model cache reused)."""
 
-    def __init__(self, model: str | None, extra_env: list[str], keep_home: bool) -> None:
+    def __init__(self, model: str | None, extra_env: list[str], keep_home: bool, threads: int = 0,
+                 guard: bool = False) -> None:
         self.port = free_port()
         self.home = Path(tempfile.mkdtemp(prefix="skillcache-load-"))
         self.keep_home = keep_home
@@ -112,6 +126,11 @@ class Service:
         env["SKILLCACHE_MODEL_CACHE"] = os.environ.get("SKILLCACHE_MODEL_CACHE", str(default_home / "models"))
         if model:
             env["SKILLCACHE_MODEL"] = model
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads
+        if not guard:  # no background fidelity work on the worker: every measured request is the arm's
+            env["SKILLCACHE_SEAM_AUTO"] = "false"
+            env["SKILLCACHE_SHADOW_SAMPLE_RATE"] = "0"
         for kv in extra_env:
             k, _, v = kv.partition("=")
             env[k] = v
@@ -151,19 +170,52 @@ class Service:
             shutil.rmtree(self.home, ignore_errors=True)
 
 
-_METRIC_RE = re.compile(r'^skillcache_skill_hits_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+_SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
 
 
-def skill_hits(client: httpx.Client) -> dict[str, float]:
-    """skillcache_skill_hits_total by tier (summed over any other labels)."""
-    out: dict[str, float] = {}
+def scrape(client: httpx.Client) -> dict:
+    """From /metrics: skill hits by tier, and the fidelity guard's background jobs (shadow checks,
+    calibrations), each summed over any other labels."""
+    hits: dict[str, float] = {}
+    bg = {"shadow": 0.0, "calibrations": 0.0}
     for line in client.get("/metrics").text.splitlines():
-        m = _METRIC_RE.match(line.strip())
-        if m:
-            tier = re.search(r'tier="([^"]*)"', m.group(1))
+        m = _SAMPLE_RE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "skillcache_skill_hits_total":
+            tier = re.search(r'tier="([^"]*)"', labels)
             if tier:
-                out[tier.group(1)] = out.get(tier.group(1), 0.0) + float(m.group(2))
-    return out
+                hits[tier.group(1)] = hits.get(tier.group(1), 0.0) + value
+        elif name == "skillcache_shadow_checks_total":
+            bg["shadow"] += value
+        elif name == "skillcache_calibrations_total":
+            bg["calibrations"] += value
+    return {"hits": hits, **bg}
+
+
+def settle(client: httpx.Client, names: list[str], timeout_s: float) -> None:
+    """Wait for the service's background seam calibrations of `names` (run when the worker is idle,
+    they would otherwise stall measured requests): until each skill reports a calibration, or no
+    calibration has finished for 20 s (calibration off), or timeout_s."""
+    t0 = last_change = time.time()
+    last = None
+    while time.time() - t0 < timeout_s:
+        cal = scrape(client)["calibrations"]
+        if cal != last:
+            last, last_change = cal, time.time()
+        recs = [client.get(f"/v1/skills/{n}").json() for n in names]
+        if not any("calibration" in r for r in recs):
+            return  # a service without seam calibration
+        if all(r.get("calibration") for r in recs):
+            seams = ", ".join(f"{n}: seam {r['calibration']['seam']}" for n, r in zip(names, recs))
+            print(f"calibrated ({seams})", flush=True)
+            return
+        if time.time() - last_change > 20:
+            print("no seam calibration running (seam_auto off?): not waiting", flush=True)
+            return
+        time.sleep(2)
+    print(f"warning: skills still not calibrated after {timeout_s:.0f} s; measuring anyway", flush=True)
 
 
 def register(client: httpx.Client, skill: dict, compile_now: bool = True) -> dict:
@@ -189,6 +241,8 @@ class Workload:
     def request(self, arm: str, key: str, i: int) -> tuple[dict, dict | None]:
         """(the compose body, a skill to register first or None)."""
         base = {"max_tokens": self.args.max_tokens, "temperature": 0.0, "stream": True}
+        if self.args.seam >= 0:
+            base["seam_tokens"] = self.args.seam
         if arm in ("in_place", "erratum"):
             value = self.value(key, i)
             user = POLICY_QUESTIONS[i % len(POLICY_QUESTIONS)].format(i=i)
@@ -312,8 +366,9 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(scenario: str, arm: str, rate, recs: list[dict], t0: float, hits0: dict, hits1: dict,
+def summarize(scenario: str, arm: str, rate, recs: list[dict], t0: float, m0: dict, m1: dict,
               n_planned: int) -> dict:
+    hits0, hits1 = m0["hits"], m1["hits"]
     ok = [r for r in recs if r.get("error") is None and r.get("e2e_s") is not None]
     errors: dict[str, int] = {}
     for r in recs:
@@ -336,8 +391,11 @@ def summarize(scenario: str, arm: str, rate, recs: list[dict], t0: float, hits0:
         "e2e_s": {p: pct(e2e, q) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},
         "server_ttft_p50_s": pct(server_ttft, 50),
         "ttft_from_done": sum(r["ttft_from_done"] for r in ok),
-        "skill_hits": delta, "hit_rate": ((total_hits - delta.get("compiled", 0.0)) / total_hits) if total_hits else None,
+        "skill_hits": delta,
+        "hit_rate": ((total_hits - delta.get("compiled", 0.0)) / total_hits) if total_hits else None,
         "prompt_tokens_mean": prompt / len(ok) if ok else None, "reuse_ratio": reused / prompt if prompt else None,
+        # the service's fidelity guard working on the same worker during the arm (stalls requests)
+        "shadow_checks": m1["shadow"] - m0["shadow"], "calibrations": m1["calibrations"] - m0["calibrations"],
     }
 
 
@@ -347,7 +405,7 @@ def fmt(v, scale: float = 1.0, spec: str = "8.2f") -> str:
 
 HEADER = (f"{'scenario':8s} {'arm':9s} {'rate':>6s} {'ok/sent':>7s} {'err':>4s} {'TTFT p50':>8s} {'p90':>8s} "
           f"{'p99':>8s} {'e2e p50':>8s} {'p90':>8s} {'p99':>8s} {'srvTTFT':>8s} {'thr r/s':>8s} {'hit':>5s} "
-          f"{'reuse':>5s} {'prompt':>6s}")
+          f"{'reuse':>5s} {'prompt':>6s} {'bg':>3s}")
 
 
 def row_line(s: dict) -> str:
@@ -357,11 +415,14 @@ def row_line(s: dict) -> str:
             + " ".join(fmt(s["ttft_s"][p]) for p in ("p50", "p90", "p99")) + " "
             + " ".join(fmt(s["e2e_s"][p]) for p in ("p50", "p90", "p99")) + " "
             + f"{fmt(s['server_ttft_p50_s'])} {fmt(s['throughput_rps'], 1, '8.3f')} {fmt(s['hit_rate'], 1, '5.2f')} "
-            f"{fmt(s['reuse_ratio'], 1, '5.2f')} {fmt(s['prompt_tokens_mean'], 1, '6.0f')}")
+            f"{fmt(s['reuse_ratio'], 1, '5.2f')} {fmt(s['prompt_tokens_mean'], 1, '6.0f')} "
+            f"{int(s['shadow_checks'] + s['calibrations']):3d}")
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("\nTTFT / e2e in seconds (client side, from the scheduled arrival); srvTTFT = the server's ttft_ms p50")
+    print("\nTTFT / e2e in seconds (client side, from the scheduled arrival); srvTTFT = the server's ttft_ms p50;\n"
+          "hit = skill blocks from a tier / all; reuse = reused / prompt tokens; bg = the service's shadow checks\n"
+          "and seam calibrations during the arm (they hold the worker)")
     print(HEADER)
     for s in rows:
         print(row_line(s))
@@ -370,7 +431,8 @@ def print_tables(rows: list[dict]) -> None:
             x = next((r for r in rows if r["scenario"] == scen and r["arm"] == a and r["rate"] == rate), None)
             y = next((r for r in rows if r["scenario"] == scen and r["arm"] == b and r["rate"] == rate), None)
             if x and y and x["ttft_s"]["p90"] and y["ttft_s"]["p90"] and x["throughput_rps"] and y["throughput_rps"]:
-                print(f"{scen:8s} rate {rate!s:>11s}: p90 TTFT {a}/{b} = {x['ttft_s']['p90'] / y['ttft_s']['p90']:6.1f}x, "
+                ratio = x["ttft_s"]["p90"] / y["ttft_s"]["p90"]
+                print(f"{scen:8s} rate {rate!s:>11s}: p90 TTFT {a}/{b} = {ratio:6.1f}x, "
                       f"throughput {b}/{a} = {y['throughput_rps'] / x['throughput_rps']:5.2f}x")
 
 
@@ -427,6 +489,10 @@ async def run_all(args, url: str, policy: dict, deadline: float) -> list[dict]:
                   f"prompt={(r.get('usage') or {}).get('prompt_tokens')} sources={r.get('sources')}", flush=True)
             if r["error"]:
                 raise SystemExit(f"warm-up request failed ({r['error']}); is the service healthy?")
+        used = ([POLICY_NAME] if "policy" in args.scenarios else []) + \
+            (list(args.order_skills) if "order" in args.scenarios else [])
+        if args.url or args.guard:  # a service started here without the guard calibrates nothing
+            await asyncio.to_thread(settle, sync, used, args.settle_s)
         for ri, rate in enumerate(rates):
             for scen, arm in arms:
                 if time.perf_counter() >= deadline:
@@ -434,7 +500,7 @@ async def run_all(args, url: str, policy: dict, deadline: float) -> list[dict]:
                     continue
                 key = f"r{ri}"
                 rng = random.Random(args.seed * 1000 + ri)  # both arms of a rate see the same arrival times
-                hits0 = skill_hits(sync)
+                m0 = scrape(sync)
 
                 def make(i, arm=arm, key=key):
                     return work.request(arm, key, i)
@@ -444,7 +510,7 @@ async def run_all(args, url: str, policy: dict, deadline: float) -> list[dict]:
                 else:
                     recs, t0 = await open_loop(client, make, args.requests, rate, rng, deadline)
                 s = summarize(scen, arm, rate if rate != "unthrottled" else f"closed{args.concurrency}",
-                              recs, t0, hits0, skill_hits(sync), args.requests)
+                              recs, t0, m0, scrape(sync), args.requests)
                 s["records"] = recs
                 rows.append(s)
                 print(row_line(s), flush=True)
@@ -460,6 +526,16 @@ def main() -> None:
     ap.add_argument("--start", action="store_true", help="start `python -m service` on a free port (the default)")
     ap.add_argument("--model", help="SKILLCACHE_MODEL for the started service (default: its own default)")
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for the started service")
+    ap.add_argument("--server-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
+                         "oversubscribed OpenMP threads make composes and decode steps 10x slower")
+    ap.add_argument("--guard", action="store_true",
+                    help="keep the started service's fidelity guard (seam calibration after each compile, 2%% "
+                         "shadow checks): background full prefills on the same worker. Default: off")
+    ap.add_argument("--seam", type=int, default=4,
+                    help="seam_tokens sent with every request (-1: omit, the service's calibrated/default seam)")
+    ap.add_argument("--settle-s", type=float, default=600,
+                    help="wait up to this long for background seam calibrations before measuring")
     ap.add_argument("--keep-home", action="store_true", help="keep the started service's temporary home (and log)")
     ap.add_argument("--api-key", default=os.environ.get("SKILLCACHE_API_KEY"), help="Bearer key (admin, to register)")
     ap.add_argument("--scenarios", nargs="+", default=["policy", "order"], choices=list(ARMS))
@@ -467,7 +543,7 @@ def main() -> None:
     ap.add_argument("--unthrottled", action=argparse.BooleanOptionalAction, default=True,
                     help="also a closed-loop arm with --concurrency clients")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=16, help="requests per arm and rate")
+    ap.add_argument("--requests", type=int, default=12, help="requests per arm and rate")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--deadline-s", type=float, default=900, help="global bound on the measured part of the run")
     ap.add_argument("--timeout-s", type=float, default=300, help="per-request read timeout")
@@ -487,7 +563,7 @@ def main() -> None:
             raise SystemExit(f"--url must be a loopback address (got {host!r})")
         url = args.url.rstrip("/")
     else:
-        service = Service(args.model, args.server_env, args.keep_home)
+        service = Service(args.model, args.server_env, args.keep_home, args.server_threads, args.guard)
         print(f"starting the service on {service.url} (home {service.home})", flush=True)
     try:
         if service:
@@ -502,7 +578,8 @@ def main() -> None:
             for name in args.order_skills if "order" in args.scenarios else []:
                 register(c, {**load_skill(name)})
         if rec:
-            print(f"{POLICY_NAME}: {rec['n_tokens']} tokens, version {rec['version']}, fields {rec['fields']}", flush=True)
+            print(f"{POLICY_NAME}: {rec['n_tokens']} tokens, version {rec['version']}, fields {rec['fields']}",
+                  flush=True)
         deadline = time.perf_counter() + args.deadline_s
         rows = asyncio.run(run_all(args, url, policy, deadline))
     finally:

@@ -51,10 +51,17 @@ class FidelityGuard:
             self._spawn(self._calibrate(key, block))
 
     async def _calibrate(self, key, block) -> None:
-        from service.runtime.calibrate import calibrate
+        from service.runtime.calibrate import calibration_steps
 
-        cal = await self._when_idle(lambda c: calibrate(
-            self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine, self.s.fidelity_tie_margin))
+        steps = calibration_steps(self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
+                                  self.s.fidelity_tie_margin)
+        result = None
+        try:
+            while True:  # one prefill per idle slot: a live request waits behind one step at most
+                step = steps.send(result)
+                result = await self._when_idle(lambda cancelled, step=step: step())
+        except StopIteration as done:
+            cal = done.value
         block.meta["calibration"] = json.dumps(cal.to_dict())
         metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
         self.degraded.pop(str(key), None)
@@ -69,27 +76,30 @@ class FidelityGuard:
         return True
 
     async def _shadow(self, keys, plan, blocks, seams) -> None:
-        from service.runtime.fidelity import compare
+        from service.runtime.fidelity import logit_agreement
 
-        def run(cancelled):
+        def composed(cancelled):
             self.shadow_started.append(time.monotonic())  # on the worker, after the sampled response
-            return compare(self.rt, plan, blocks, seams)
+            return self.rt.prefill(plan, blocks, mode="compose", seam_tokens=seams).logits
 
-        fid = await self._when_idle(run)
-        ok = fid.cosine >= self.s.fidelity_min_cosine and (fid.top1_agree or not fid.decisive)
+        # two prefills, each in its own idle slot: a live request waits behind one of them at most
+        comp = await self._when_idle(composed)
+        full = await self._when_idle(lambda cancelled: self.rt.prefill(plan, blocks, mode="full").logits)
+        fid = logit_agreement(comp, full, self.s.fidelity_tie_margin)
+        ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
         del self.shadow_started[:-100]
         metrics.SHADOW_CHECKS.labels("pass" if ok else "fail").inc()
-        metrics.SHADOW_COSINE.observe(fid.cosine)
+        metrics.SHADOW_COSINE.observe(fid["cosine"])
         for k in keys:
             st = self.shadow.setdefault(k, {"checks": 0, "passed": 0, "cosine_min": 1.0, "cosine_sum": 0.0})
             st["checks"] += 1
             st["passed"] += int(ok)
-            st["cosine_min"] = min(st["cosine_min"], fid.cosine)
-            st["cosine_sum"] += fid.cosine
+            st["cosine_min"] = min(st["cosine_min"], fid["cosine"])
+            st["cosine_sum"] += fid["cosine"]
             if not ok:
-                self.degraded[k] = {"cosine": fid.cosine, "top1_agree": fid.top1_agree}
+                self.degraded[k] = fid
                 log.warning("skill block %s failed a shadow check (cosine %.5f): serving it by full prefill", k,
-                            fid.cosine)
+                            fid["cosine"])
         metrics.DEGRADED_SKILLS.set(len(self.degraded))
 
     def report(self, key: str, block) -> dict:
@@ -117,7 +127,10 @@ class FidelityGuard:
     async def _when_idle(self, fn):
         async with self._idle:
             while self.worker.busy or self.worker.queue.qsize() > 0:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # and still idle a moment later (not between two requests)
+            while self.worker.busy or self.worker.queue.qsize() > 0:
+                await asyncio.sleep(0.05)
             return await self.worker.run(fn)
 
     async def drain(self) -> None:

@@ -82,7 +82,7 @@ class ComposePipeline:
         self.worker = worker
         self.guard = FidelityGuard(settings, runtime, worker, store)
 
-    async def block_for(self, namespace: str, text: str):
+    async def block_for(self, namespace: str, text: str, calibrate: bool = True):
         """The block of exactly `text` (from a tier, or compiled once in the worker)."""
         ids = self.rt.prompts.encode_content(text)
         key = self.registry.block_key(namespace, text)
@@ -95,7 +95,8 @@ class ComposePipeline:
 
         block, source = await self.store.get_or_compile(key, compile_fn)
         metrics.SKILL_HITS.labels(source).inc()
-        self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
+        if calibrate:  # registered skills; not one-off variants (recompile edits)
+            self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
 
     def check_request(self, skills: list, max_tokens: int) -> None:
@@ -119,7 +120,7 @@ class ComposePipeline:
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources, keys, seams = [], [], [], []
         for rec, edit in zip(records, edits):
-            block, source = await self.block_for(p.namespace, edit.text)
+            block, source = await self.block_for(p.namespace, edit.text, calibrate=edit.text == rec.default_text)
             key = str(self.registry.block_key(p.namespace, edit.text))
             blocks.append(block)
             sources.append(source)

@@ -11,6 +11,7 @@ even float rounding, and say nothing about the method). No passing candidate -> 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,20 +46,26 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
     return float(p[0] - p[1]) >= margin
 
 
-def calibrate(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-              tie_margin: float) -> Calibration:
+def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
+                      tie_margin: float) -> Generator[Callable[[], torch.Tensor], torch.Tensor, Calibration]:
+    """Calibration as a sequence of single-prefill steps: yields a closure, receives its logits.
+
+    The caller runs each step when the inference worker is idle, so a live request waits behind
+    at most one prefill of calibration work, never behind a whole calibration.
+    """
     t0 = time.perf_counter()
     cases = []  # (plan, full-recompute logits); the neighbour is text before the skill, recomputed
     for system, neighbour_text, user in _PROBES:
         system = f"{system}\n\n{neighbour_text}" if neighbour_text else system
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         plan = rt.prompts.build(msgs, [block.token_ids])
-        cases.append((plan, rt.prefill(plan, [block], mode="full").logits))
+        full = yield (lambda plan=plan: rt.prefill(plan, [block], mode="full").logits)
+        cases.append((plan, full))
     best = None
     for k in sorted(set(c for c in candidates if c < block.n_tokens)) + [block.n_tokens]:
         cos, agree, decisive = 1.0, 0, 0
         for plan, full in cases:
-            comp = rt.prefill(plan, [block], mode="compose", seam_tokens=k).logits
+            comp = yield (lambda plan=plan, k=k: rt.prefill(plan, [block], mode="compose", seam_tokens=k).logits)
             cos = min(cos, float(torch.nn.functional.cosine_similarity(comp, full, dim=0)))
             if _decisive(full, tie_margin):
                 decisive += 1
@@ -69,5 +76,16 @@ def calibrate(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosin
             break
     k, cos, top1 = best
     passed = cos >= min_cosine and top1 >= 1.0
-    return Calibration(k, passed, cos, top1, len(cases), min_cosine,
-                       (time.perf_counter() - t0) * 1e3)
+    return Calibration(k, passed, cos, top1, len(cases), min_cosine, (time.perf_counter() - t0) * 1e3)
+
+
+def calibrate(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
+              tie_margin: float) -> Calibration:
+    """Run every calibration step inline (tests, benchmarks)."""
+    steps = calibration_steps(rt, block, candidates, min_cosine, tie_margin)
+    result = None
+    try:
+        while True:
+            result = steps.send(result)()
+    except StopIteration as done:
+        return done.value

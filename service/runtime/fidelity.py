@@ -32,22 +32,31 @@ def _greedy(rt: ModelRuntime, pre, n: int) -> list[int]:
     return done.token_ids
 
 
+def logit_agreement(a: torch.Tensor, b: torch.Tensor, tie_margin: float = 0.05) -> dict:
+    """Composed logits `a` vs full-recompute logits `b` ([V]): cosine, top-1, decisiveness, KL(b || a)."""
+    a, b = a.float(), b.float()
+    p = torch.topk(torch.softmax(b, -1), 2).values
+    return {
+        "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+        "top1_agree": bool(a.argmax() == b.argmax()),
+        "decisive": float(p[0] - p[1]) >= tie_margin,
+        "kl": float(torch.nn.functional.kl_div(torch.log_softmax(a, -1), torch.log_softmax(b, -1),
+                                               log_target=True, reduction="sum")),
+    }
+
+
 def compare(
     rt: ModelRuntime, plan: PromptPlan, blocks: list[KVBlock], seam_tokens: int | list[int], n_greedy: int = 0,
     tie_margin: float = 0.05,
 ) -> Fidelity:
     comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=seam_tokens)
     full = rt.prefill(plan, blocks, mode="full")
-    a, b = comp.logits.float(), full.logits.float()  # [V]
-    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    kl = float(torch.nn.functional.kl_div(torch.log_softmax(a, -1), torch.log_softmax(b, -1),
-                                          log_target=True, reduction="sum"))
+    agree = logit_agreement(comp.logits, full.logits, tie_margin)
     match = prefix = None
     if n_greedy:
         g_full = _greedy(rt, full, n_greedy)
         g_comp = _greedy(rt, comp, n_greedy)
         match = g_full == g_comp
         prefix = next((i for i, (x, y) in enumerate(zip(g_full, g_comp)) if x != y), min(len(g_full), len(g_comp)))
-    p = torch.topk(torch.softmax(b, -1), 2).values
-    decisive = float(p[0] - p[1]) >= tie_margin
-    return Fidelity(cos, bool(a.argmax() == b.argmax()), decisive, kl, match, prefix, plan.n_tokens, comp.n_reused)
+    return Fidelity(agree["cosine"], agree["top1_agree"], agree["decisive"], agree["kl"], match, prefix,
+                    plan.n_tokens, comp.n_reused)
