@@ -11,7 +11,9 @@ logit cosine, top-1 agreement, KL, greedy 32-token match), once per storage arm:
   int8-k_token   - alternative: per-token scales for keys too
   int8-v_channel - alternative: per-channel scales for values too
 Bytes per token: tensor bytes the store writes per token of a block, all layers (K + V + scales), and
-the whole encoded payload (header and token ids included) per token.
+the whole encoded payload (header and token ids included) per token. Each compressed arm also reports
+its composed first-token logits against the uncompressed composition ("vs_none": cosine, KL, top-1),
+which isolates what storage adds to the composition's own error.
 """
 
 from __future__ import annotations
@@ -70,12 +72,28 @@ def stored(rt, name: str, block, scheme):
     return decode_block(data, key), tensor_bytes, len(data)
 
 
+def logit_gap(a, b) -> dict:
+    """a vs b, first-token logits [V]: cosine, KL(b || a), same top-1."""
+    import torch
+
+    a, b = a.float(), b.float()
+    kl = torch.nn.functional.kl_div(torch.log_softmax(a, -1), torch.log_softmax(b, -1), log_target=True,
+                                    reduction="sum")
+    return {"cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)), "kl": max(float(kl), 0.0),
+            "top1_agree": bool(a.argmax() == b.argmax())}
+
+
 def summarize(rows: list[dict]) -> dict:
     cos = [r["cosine"] for r in rows]
     kl = [r["kl"] for r in rows]
-    return {"cases": len(rows), "cos_min": min(cos), "cos_median": statistics.median(cos),
-            "top1": sum(r["top1_agree"] for r in rows) / len(rows), "kl_median": statistics.median(kl),
-            "kl_max": max(kl), "greedy32": sum(r["greedy_match"] for r in rows) / len(rows)}
+    out = {"cases": len(rows), "cos_min": min(cos), "cos_median": statistics.median(cos),
+           "top1": sum(r["top1_agree"] for r in rows) / len(rows), "kl_median": statistics.median(kl),
+           "kl_max": max(kl), "greedy32": sum(bool(r["greedy_match"]) for r in rows) / len(rows)}
+    if "vs_none" in rows[0]:
+        gaps = [r["vs_none"] for r in rows]
+        out["vs_none"] = {"cos_min": min(g["cosine"] for g in gaps), "kl_max": max(g["kl"] for g in gaps),
+                          "top1": sum(g["top1_agree"] for g in gaps) / len(gaps)}
+    return out
 
 
 def main() -> None:
@@ -110,13 +128,21 @@ def main() -> None:
             msgs = [{"role": "system", "content": SYSTEMS[k % 2]}, {"role": "user", "content": USERS[k % 2]}]
             plan = rt.prompts.build(msgs, [blocks[n].token_ids for n in names])
             fid = compare(rt, plan, [blocks[n] for n in names], seam_tokens=seam, n_greedy=args.greedy)
-            rows.append({"skills": names, **fid.to_dict()})
+            row = {"skills": names, **fid.to_dict()}
+            if scheme is not None:  # this arm's composition vs the uncompressed one
+                ref = rt.prefill(plan, [compiled[n] for n in names], mode="compose", seam_tokens=seam).logits
+                got = rt.prefill(plan, [blocks[n] for n in names], mode="compose", seam_tokens=seam).logits
+                row["vs_none"] = logit_gap(got, ref)
+            rows.append(row)
         s = summarize(rows)
         out["arms"][arm] = {"tensor_bytes_per_token": tensor_b / n_tok, "payload_bytes_per_token": payload_b / n_tok,
                             "summary": s, "cases": rows}
+        gap = s.get("vs_none")
         print(f"{arm:15s} {tensor_b / n_tok:8.0f} B/token (payload {payload_b / n_tok:8.0f}) "
               f"cos min={s['cos_min']:.5f} med={s['cos_median']:.5f} top1={s['top1']:.2f} "
-              f"KL med={s['kl_median']:.2e} max={s['kl_max']:.2e} greedy32={s['greedy32']:.2f}", flush=True)
+              f"KL med={s['kl_median']:.2e} max={s['kl_max']:.2e} greedy32={s['greedy32']:.2f}"
+              + (f" | vs none: cos min={gap['cos_min']:.6f} KL max={gap['kl_max']:.2e} top1={gap['top1']:.2f}"
+                 if gap else ""), flush=True)
     ref = out["arms"]["none"]["tensor_bytes_per_token"]
     for arm in out["arms"].values():
         arm["ratio_vs_none"] = ref / arm["tensor_bytes_per_token"]

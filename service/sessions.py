@@ -75,6 +75,8 @@ class SessionManager:
         if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
             raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
                                 "delete some first")
+        if not refs and not system:  # an empty head has nothing to cache (and no template renders it)
+            raise InvalidRequest("a session needs at least one skill or a system message")
         self.p.check_request(refs, 1)
         records = [await self.p.registry.get(ns, r.name, r.version) for r in refs]
         if len({r.name for r in records}) != len(records):

@@ -246,5 +246,4 @@ def require_role(role: str):
     return check
 
 
-CurrentPrincipal = Annotated[Principal, Depends(authenticate)]
 RequireAdmin = Depends(require_role("admin"))

@@ -15,8 +15,7 @@ from service.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-_HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded",
-               415: "unsupported_media_type"}
+_HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded", 415: "unsupported_media_type"}
 
 
 def error_response(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -51,6 +50,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not parse the body (e.g. invalid UTF-8): a bad body, like any other
+            return error_response(422, "invalid_request", f"the request body is not valid JSON in UTF-8 ({exc.detail})")
         return error_response(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail))
 
     @app.exception_handler(Exception)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from service.registry.skill import NAME_PATTERN
 
 SkillName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+MAX_VERSION = 2**31 - 1  # versions count up from 1; a bound keeps absurd numbers out of store keys and paths
 Text = Annotated[str, StringConstraints(max_length=1_000_000)]
 
 
@@ -61,7 +62,7 @@ class SkillDeleted(BaseModel):
 
 class SkillRefIn(Strict):
     name: SkillName
-    version: int | None = Field(None, ge=1)
+    version: int | None = Field(None, ge=1, le=MAX_VERSION)
 
 
 class GenerationIn(Strict):

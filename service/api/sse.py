@@ -11,6 +11,9 @@ from fastapi.responses import StreamingResponse
 from service.api.errors import error_payload
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# OpenAPI: a route that streams when the body says "stream": true also answers 200 as text/event-stream
+SSE_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                 "description": "JSON; with \"stream\": true, server-sent events (data: <json>, then data: [DONE])"}}
 
 
 def frame(obj: Any) -> str:

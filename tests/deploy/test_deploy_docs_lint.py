@@ -16,7 +16,7 @@ DOC = (REPO / "docs" / "OPERATIONS.md").read_text()
 # Names that are not service settings: compose interpolation only.
 COMPOSE_ONLY = {"SKILLCACHE_PUBLISH"}
 # Settings the service reads that config.py may not declare yet (documented in the issue).
-PENDING = {"SKILLCACHE_API_KEYS_FILE"}
+PENDING: set[str] = set()  # names documented ahead of their setting
 
 
 def settings_names() -> set[str]:

@@ -34,6 +34,11 @@ KEYS = [
 ]
 
 
+# The fidelity guard's background work (seam calibration, shadow checks) is not what these tests test; it
+# would re-store blocks under them and compete for the worker, so the in-process apps turn it off.
+QUIET = {"seam_auto": False, "shadow_sample_rate": 0.0}
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -44,11 +49,26 @@ def write_keys(path: Path, entries: list[dict] = KEYS) -> Path:
 
 
 @contextmanager
+def one_torch_thread():
+    """torch's default (one intra-op thread per core) thrashes on a shared 2-core machine: a tiny-model request
+    is ~8x slower. The inference worker thread, started inside, inherits the setting."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def app_client(tmp_path: Path, runtime=None, **overrides):
     """A TestClient on the tiny model, ready (model loaded, self-check passed)."""
-    settings = Settings(home=tmp_path, store=overrides.pop("store", "disk"), skills_dir=None, **overrides)
+    settings = Settings(home=tmp_path, store=overrides.pop("store", "disk"), skills_dir=None,
+                        **{**QUIET, **overrides})
     app = create_app(settings, runtime=runtime or tiny_runtime("llama"))
-    with TestClient(app) as c:
+    with one_torch_thread(), TestClient(app, raise_server_exceptions=False) as c:  # a 500 is a response here
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         assert state.ready, state.load_error
@@ -89,6 +109,12 @@ class ServiceProcess:
             "SKILLCACHE_MODEL_CACHE": str(default_home / "models"),  # the converted model, shared read-only
             "SKILLCACHE_SKILLS_DIR": "",
             "SKILLCACHE_DEVICE": "cpu",
+            # One intra-op thread: on a shared 2-core machine torch's default (one per core) thrashes, and a
+            # compile that takes 0.15 s alone takes 5 s (see the report). The fidelity guard's background
+            # calibration holds the one worker for seconds per new skill; not what these tests measure.
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "SKILLCACHE_SEAM_AUTO": "false",
+            "SKILLCACHE_SHADOW_SAMPLE_RATE": "0",
             **env_overrides,
         }
         self.proc: subprocess.Popen | None = None
@@ -159,10 +185,13 @@ def uvicorn_thread(tmp_path: Path, runtime=None, **overrides):
 
     import uvicorn
 
-    settings = Settings(home=tmp_path, store=overrides.pop("store", "disk"), skills_dir=None, **overrides)
+    settings = Settings(home=tmp_path, store=overrides.pop("store", "disk"), skills_dir=None,
+                        **{**QUIET, **overrides})
     app = create_app(settings, runtime=runtime or tiny_runtime("llama"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    threads = one_torch_thread()
+    threads.__enter__()
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -182,3 +211,19 @@ def uvicorn_thread(tmp_path: Path, runtime=None, **overrides):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        threads.__exit__(None, None, None)
+
+
+def documented_error_types() -> set[str]:
+    """Every stable error_type the API can answer with (service/errors.py, the store errors, the HTTP mapping)."""
+    from service.api.errors import _HTTP_TYPES
+    from service.errors import ServiceError
+    from service.store.errors import StoreError
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    types = {c.error_type for c in subclasses(ServiceError)} | {c.error_type for c in subclasses(StoreError)}
+    return types | set(_HTTP_TYPES.values()) | {"invalid_request"}

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from service.api.deps import Namespace, Pipeline, State
 from service.api.routes.compose import gen_params
 from service.api.schemas import ErrorResponse, GenerationIn, SkillName, SkillRefIn, Text
-from service.api.sse import sse_response
+from service.api.sse import SSE_200, sse_response
 from service.errors import InvalidRequest
 from service.pipeline import ComposeParams, Final, SkillRef
 from service.runtime.params import Delta
@@ -94,7 +94,7 @@ def _logprobs(final: Final) -> dict | None:
     return {"content": [{**tops[0], "top_logprobs": tops}]}
 
 
-@router.post("/chat/completions", responses=_ERRORS)
+@router.post("/chat/completions", responses={**_ERRORS, **SSE_200})
 async def chat_completions(body: ChatRequest, pipeline: Pipeline, state: State, ns: Namespace):
     params = _params(body, ns)
     prep = await pipeline.prepare(params)

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from service.api.deps import Namespace, Pipeline
 from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
-from service.api.sse import sse_response
+from service.api.sse import SSE_200, sse_response
 from service.pipeline import ComposeParams, Final, SkillRef
 from service.runtime.params import Delta, GenParams
 
@@ -58,7 +58,7 @@ async def respond(events, stream: bool, extra: dict | None = None):
     return {**_final_json(final, final.done.text), **extra}
 
 
-@router.post("/compose", response_model=ComposeResponse, responses=_ERRORS)
+@router.post("/compose", response_model=ComposeResponse, responses={**_ERRORS, **SSE_200})
 async def compose(body: ComposeRequest, pipeline: Pipeline, ns: Namespace):
     prep = await pipeline.prepare(_params(body, ns))
     return await respond(await pipeline.start(prep), body.stream)

@@ -24,6 +24,7 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse({"status": "ready" if ok else "not_ready", **details}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

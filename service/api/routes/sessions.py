@@ -10,6 +10,7 @@ from pydantic import Field, StringConstraints
 from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
 from service.api.schemas import ErrorResponse, GenerationIn, SkillName, SkillRefIn, Strict, Text
+from service.api.sse import SSE_200
 from service.pipeline import SkillRef
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -38,7 +39,7 @@ async def create_session(body: SessionCreate, sessions: Sessions, ns: Namespace)
     return {**s.public(), "usage": usage}
 
 
-@router.post("/{sid}/turns", responses=_ERRORS)
+@router.post("/{sid}/turns", responses={**_ERRORS, **SSE_200})
 async def run_turn(sid: str, body: TurnRequest, sessions: Sessions, ns: Namespace):
     events = await sessions.turn(ns, sid, body.user, dict(body.fields or {}), gen_params(body, body.logprobs))
     return await respond(events, body.stream, {"session": sid})

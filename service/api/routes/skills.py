@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query, Response
 
 from service.api.auth import RequireAdmin
 from service.api.deps import Namespace, Pipeline, State
-from service.api.schemas import ErrorResponse, SkillCreate, SkillDeleted, SkillList, SkillOut
+from service.api.schemas import MAX_VERSION, ErrorResponse, SkillCreate, SkillDeleted, SkillList, SkillOut
 from service.registry.skill import SkillRecord
 
 router = APIRouter(prefix="/v1/skills", tags=["skills"])
@@ -17,7 +17,8 @@ def _out(rec: SkillRecord, compiled: bool = False, versions: list[int] | None = 
     return SkillOut(**rec.public(), compiled=compiled, versions=versions or [rec.version])
 
 
-@router.post("", response_model=SkillOut, status_code=201, responses=_ERRORS, dependencies=[RequireAdmin])
+@router.post("", response_model=SkillOut, status_code=201, dependencies=[RequireAdmin],
+             responses={**_ERRORS, 200: {"model": SkillOut, "description": "Already registered: the same version"}})
 async def register_skill(
     body: SkillCreate, response: Response, state: State, pipeline: Pipeline, ns: Namespace,
     compile: bool = Query(True, description="compile the KV block now (false: on first use)"),
@@ -36,7 +37,8 @@ async def list_skills(pipeline: Pipeline, ns: Namespace) -> SkillList:
 
 
 @router.get("/{name}", response_model=SkillOut, responses=_ERRORS)
-async def get_skill(name: str, pipeline: Pipeline, ns: Namespace, version: int | None = Query(None, ge=1)) -> SkillOut:
+async def get_skill(name: str, pipeline: Pipeline, ns: Namespace,
+                    version: int | None = Query(None, ge=1, le=MAX_VERSION)) -> SkillOut:
     rec = await pipeline.registry.get(ns, name, version)
     key = pipeline.registry.block_key(ns, rec.default_text)
     block, _ = await pipeline.store.get(key)
