@@ -56,8 +56,8 @@ class LayerTypeRotary(nn.Module):
         return self.rotary(x, position_ids, self.layer_type)  # cos, sin: [B, T, R]
 
 
-class MRopeRotary(nn.Module):
-    """M-RoPE for text: the same position on the temporal, height and width axes ([3, B, T])."""
+class _WrappedRotary(nn.Module):
+    """A model's rotary module behind the KeyRotator's interface (rope_type, attention_scaling, inv_freq)."""
 
     def __init__(self, rotary: nn.Module) -> None:
         super().__init__()
@@ -70,23 +70,16 @@ class MRopeRotary(nn.Module):
     def inv_freq(self) -> torch.Tensor:  # [R/2]
         return self.rotary.inv_freq
 
+
+class MRopeRotary(_WrappedRotary):
+    """M-RoPE for text: the same position on the temporal, height and width axes ([3, B, T])."""
+
     def forward(self, x, position_ids):  # position_ids [B, T]
         return self.rotary(x, position_ids[None].expand(3, -1, -1))  # cos, sin: [B, T, R]
 
 
-class ComplexRotary(nn.Module):
+class ComplexRotary(_WrappedRotary):
     """DeepSeek-V2's rotary returns freqs_cis [B, T, R/2] (complex); expose it as cos/sin [B, T, R]."""
-
-    def __init__(self, rotary: nn.Module) -> None:
-        super().__init__()
-        self.rotary = rotary
-        self.rope_type = rotary.rope_type
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.original_max_seq_len = getattr(rotary, "original_max_seq_len", None)
-
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        return self.rotary.inv_freq
 
     def forward(self, x, position_ids):
         f = self.rotary(x, position_ids)  # [B, T, R/2] complex, scaled by attention_scaling
