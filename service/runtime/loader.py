@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -68,9 +69,17 @@ def convert_embedded(models_dir: Path) -> Path:
     target = models_dir / f"{EMBEDDED_NAME}-{stat.st_size}-{int(stat.st_mtime)}"
     if (target / "config.json").is_file():
         return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # replicas sharing a cache convert once; the others wait
+        if (target / "config.json").is_file():
+            return target
+        return _convert(gguf, target, models_dir)
+
+
+def _convert(gguf: Path, target: Path, models_dir: Path) -> Path:
     log.info("converting the embedded GGUF once into %s (about 20 s)", target)
     t0 = time.perf_counter()
-    models_dir.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=models_dir))
@@ -88,7 +97,12 @@ def convert_embedded(models_dir: Path) -> Path:
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"{gguf}\n")
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process without the lock (e.g. another filesystem view) won the race
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
