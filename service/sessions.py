@@ -92,7 +92,10 @@ class SessionManager:
         plan = self.rt.prompts.build(self._head(s), s.skill_ids, s.base_errata,
                                      add_generation_prompt=False)
         self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
-        seam = self.p.settings.seam_tokens if seam_tokens is None else seam_tokens
+        picks = [self.p.guard.seam_for(str(self.p.registry.block_key(ns, r.default_text)), b, seam_tokens)
+                 for r, b in zip(records, blocks)]  # calibrated seams; a degraded skill runs in full
+        mode = "full" if any(path == "full" for _, path in picks) else mode
+        seam = [k or 0 for k, _ in picks]
         pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam))
         s.cache, s.ids = pre.cache, plan.ids
         self._admit(s)

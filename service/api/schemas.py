@@ -13,6 +13,10 @@ MAX_VERSION = 2**31 - 1  # versions count up from 1; a bound keeps absurd number
 Text = Annotated[str, StringConstraints(max_length=1_000_000)]
 
 
+# a number of tokens, or "auto" (omitted means the same): each skill's calibrated seam
+SeamTokens = Annotated[int, Field(ge=0, le=4096)] | Literal["auto"] | None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,7 +84,7 @@ class ComposeRequest(GenerationIn):
     user: Text = Field(min_length=1)
     fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = Field(None, max_length=256)
     mode: Literal["compose", "full"] = "compose"
-    seam_tokens: int | None = Field(None, ge=0, le=4096)
+    seam_tokens: SeamTokens = None
     logprobs: int | None = Field(None, ge=1, le=20)
     edit_mode: Literal["erratum", "field+erratum", "in_place", "recompile"] = "erratum"
 

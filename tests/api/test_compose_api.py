@@ -135,3 +135,13 @@ async def _submit_blocking(worker, gate):
     job = worker.submit(lambda cancelled: gate.wait(10))
     time.sleep(0.05)
     return job
+
+
+def test_seam_tokens_auto_and_bounds(skills):
+    r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1, "seam_tokens": "auto"})
+    assert r.status_code == 200 and r.json()["skills"][0]["seam"] == 4  # uncalibrated: SKILLCACHE_SEAM_TOKENS
+    r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1, "seam_tokens": 2})
+    assert r.json()["skills"][0]["seam"] == 2
+    bad = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "seam_tokens": "some"})
+    assert bad.status_code == 422
+    assert skills.post("/v1/sessions", json={"skills": ["a"], "seam_tokens": "auto"}).status_code == 201

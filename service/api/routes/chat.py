@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from service.api.deps import Namespace, Pipeline, State
 from service.api.routes.compose import gen_params
-from service.api.schemas import ErrorResponse, GenerationIn, SkillName, SkillRefIn, Text
+from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Text
 from service.api.sse import SSE_200, sse_response
 from service.errors import InvalidRequest
 from service.pipeline import ComposeParams, Final, SkillRef
@@ -52,7 +52,7 @@ class ChatRequest(GenerationIn):
     skills: list[SkillName | SkillRefIn] = Field(default_factory=list, max_length=256)
     fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = None
     mode: Literal["compose", "full"] = "compose"
-    seam_tokens: int | None = Field(None, ge=0, le=4096)
+    seam_tokens: SeamTokens = None
 
 
 def _params(body: ChatRequest, ns: str) -> ComposeParams:
@@ -69,7 +69,7 @@ def _params(body: ChatRequest, ns: str) -> ComposeParams:
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
     return ComposeParams(
         skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, k),
-        mode=body.mode, seam_tokens=body.seam_tokens, namespace=ns,
+        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens, namespace=ns,
     )
 
 

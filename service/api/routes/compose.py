@@ -26,7 +26,7 @@ def _params(body: ComposeRequest, ns: str) -> ComposeParams:
     ]
     return ComposeParams(
         skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, body.logprobs),
-        mode=body.mode, seam_tokens=body.seam_tokens, edit_mode=body.edit_mode, namespace=ns,
+        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens, edit_mode=body.edit_mode, namespace=ns,
     )
 
 

@@ -9,7 +9,7 @@ from pydantic import Field, StringConstraints
 
 from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
-from service.api.schemas import ErrorResponse, GenerationIn, SkillName, SkillRefIn, Strict, Text
+from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Strict, Text
 from service.api.sse import SSE_200
 from service.pipeline import SkillRef
 
@@ -23,7 +23,7 @@ class SessionCreate(Strict):
     system: Text | None = None
     fields: FieldValues | None = Field(None, max_length=256)
     mode: Literal["compose", "full"] = "compose"
-    seam_tokens: int | None = Field(None, ge=0, le=4096)
+    seam_tokens: SeamTokens = None
 
 
 class TurnRequest(GenerationIn):
@@ -35,7 +35,8 @@ class TurnRequest(GenerationIn):
 @router.post("", status_code=201, responses=_ERRORS)
 async def create_session(body: SessionCreate, sessions: Sessions, ns: Namespace) -> dict:
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
-    s, usage = await sessions.create(ns, refs, body.system, dict(body.fields or {}), body.mode, body.seam_tokens)
+    s, usage = await sessions.create(ns, refs, body.system, dict(body.fields or {}), body.mode,
+                                      None if body.seam_tokens == "auto" else body.seam_tokens)
     return {**s.public(), "usage": usage}
 
 
