@@ -83,12 +83,12 @@ class ComposePipeline:
         self.guard = FidelityGuard(settings, runtime, worker, store)
 
     async def block_for(self, namespace: str, text: str, calibrate: bool = True):
-        """The block of exactly `text` (from a tier, or compiled once in the worker)."""
-        ids = self.rt.prompts.encode_content(text)
+        """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from."""
         key = self.registry.block_key(namespace, text)
 
         async def compile_fn():
             t0 = time.perf_counter()
+            ids = self.rt.prompts.encode_content(text)  # only on a miss: hits never re-tokenize
             block = await self.worker.run(lambda cancelled: self.rt.compile_block(ids))
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return block
