@@ -54,16 +54,14 @@ import os
 import random
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from service.devserver import ROOT, ServiceNotReady, ServiceProcess
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 SYSTEM = "You are the order-support agent of an online store. Follow the policies below exactly."
 POLICY_QUESTIONS = [
@@ -107,67 +105,18 @@ def render(text: str, values: dict) -> str:
 
 
 # ---- the service ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
+def start_service(model: str | None, extra_env: list[str], threads: int, guard: bool) -> ServiceProcess:
     """`python -m service` on a free loopback port with a fresh home (the converted-model cache reused)."""
-
-    def __init__(self, model: str | None, extra_env: list[str], keep_home: bool, threads: int = 0,
-                 guard: bool = False) -> None:
-        self.port = free_port()
-        self.home = Path(tempfile.mkdtemp(prefix="skillcache-load-"))
-        self.keep_home = keep_home
-        env = {**os.environ, "SKILLCACHE_HOME": str(self.home), "SKILLCACHE_SKILLS_DIR": str(ROOT / "skills")}
-        default_home = Path(os.environ.get("SKILLCACHE_HOME", "~/.cache/skillcache")).expanduser()
-        env["SKILLCACHE_MODEL_CACHE"] = os.environ.get("SKILLCACHE_MODEL_CACHE", str(default_home / "models"))
-        if model:
-            env["SKILLCACHE_MODEL"] = model
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads
-        if not guard:  # no background fidelity work on the worker: every measured request is the arm's
-            env["SKILLCACHE_SEAM_AUTO"] = "false"
-            env["SKILLCACHE_SHADOW_SAMPLE_RATE"] = "0"
-        for kv in extra_env:
-            k, _, v = kv.partition("=")
-            env[k] = v
-        self.log_path = self.home / "server.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port)], cwd=ROOT,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the service exited ({self.proc.returncode}):\n{self.tail()}")
-            time.sleep(0.5)
-        raise SystemExit(f"the service was not ready in {timeout_s:.0f} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        if not self.keep_home:
-            shutil.rmtree(self.home, ignore_errors=True)
+    env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills")}
+    if model:
+        env["SKILLCACHE_MODEL"] = model
+    if not guard:  # no background fidelity work on the worker: every measured request is the arm's
+        env["SKILLCACHE_SEAM_AUTO"] = "false"
+        env["SKILLCACHE_SHADOW_SAMPLE_RATE"] = "0"
+    for kv in extra_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return ServiceProcess(Path(tempfile.mkdtemp(prefix="skillcache-load-")), env, threads=threads or None).start()
 
 
 _SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
@@ -525,7 +474,7 @@ def main() -> None:
     ap.add_argument("--url", help="a running service (loopback only); default: start one (--start)")
     ap.add_argument("--start", action="store_true", help="start `python -m service` on a free port (the default)")
     ap.add_argument("--model", help="SKILLCACHE_MODEL for the started service (default: its own default)")
-    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for the started service")
+    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="env for the started service (it does not inherit SKILLCACHE_* from this shell)")
     ap.add_argument("--server-threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
                          "oversubscribed OpenMP threads make composes and decode steps 10x slower")
@@ -563,11 +512,14 @@ def main() -> None:
             raise SystemExit(f"--url must be a loopback address (got {host!r})")
         url = args.url.rstrip("/")
     else:
-        service = Service(args.model, args.server_env, args.keep_home, args.server_threads, args.guard)
+        service = start_service(args.model, args.server_env, args.server_threads, args.guard)
         print(f"starting the service on {service.url} (home {service.home})", flush=True)
     try:
         if service:
-            service.wait_ready(600)
+            try:
+                service.wait_ready(600)
+            except ServiceNotReady as e:
+                raise SystemExit(str(e)) from None
             url = service.url
             print(f"ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -585,6 +537,8 @@ def main() -> None:
     finally:
         if service:
             service.stop()
+            if not args.keep_home:
+                shutil.rmtree(service.home, ignore_errors=True)
     print_tables(rows)
     elapsed = time.perf_counter() - t_start
     print(f"\nelapsed {elapsed:.0f} s", flush=True)

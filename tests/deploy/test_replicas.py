@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,68 +25,33 @@ from pathlib import Path
 import httpx
 import pytest
 
-from redis_server import RedisServer, free_port, redis_or_skip
+from redis_server import RedisServer, redis_or_skip
+
+from service import devserver
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
-ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180
 MAX_TOKENS = 4  # generation is not what is tested here: keep requests short on a CPU
 # ~300 tokens: compiling takes long enough (hundreds of ms on a CPU) for two replicas to overlap
 FILLER = " ".join(f"Rule {i}: answer politely and cite the policy section." for i in range(30))
 
 
-class Replica:
-    """`python -m service` on a free port with its own SKILLCACHE_HOME."""
+class Replica(devserver.ServiceProcess):
+    """`python -m service` on a free port with its own SKILLCACHE_HOME (own disk tier), store=redis."""
 
     def __init__(self, name: str, home: Path, redis_url: str) -> None:
-        self.name, self.home = name, home
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        home.mkdir(parents=True, exist_ok=True)
-        default_home = Path(os.environ.get("SKILLCACHE_HOME", Path("~/.cache/skillcache").expanduser()))
-        env = {
-            **os.environ,
-            "SKILLCACHE_HOME": str(home),
-            "SKILLCACHE_MODEL_CACHE": str(default_home / "models"),  # the converted model, shared read-only
-            "SKILLCACHE_STORE": "redis",
-            "SKILLCACHE_REDIS_URL": redis_url,
-            # No preloading. Not "": today Settings turns "" into Path(".") (see the report); a missing
-            # folder is skipped by AppState._preload_skills either way.
-            "SKILLCACHE_SKILLS_DIR": str(home / "no-skills-here"),
-            "SKILLCACHE_DEVICE": "cpu",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # 2-3 processes on 2 cores
-        }
-        env.pop("SKILLCACHE_API_KEYS_FILE", None)
-        self.log_path = home / "server.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port)], cwd=ROOT,
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.t_start = time.monotonic()
-        self.ready_s: float | None = None
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return f"--- {self.name} log ---\n" + self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        super().__init__(home, {"SKILLCACHE_STORE": "redis", "SKILLCACHE_REDIS_URL": redis_url,
+                                "SKILLCACHE_DEVICE": "cpu"}, name=name)
+        self.start()
 
     def wait_ready(self) -> None:
-        deadline = self.t_start + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=2)
-                if r.status_code == 200:
-                    self.ready_s = time.monotonic() - self.t_start
-                    body = r.json()
-                    assert body["skills_preloaded"] == {}, body  # nothing preloaded
-                    assert body["store"].get("redis") == "ok" and body["definitions"] == "ok", body
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}"
-            time.sleep(0.25)
-        pytest.fail(f"{self.name} not ready in {READY_TIMEOUT_S} s\n{self.log_tail()}")
+        try:
+            body = super().wait_ready(READY_TIMEOUT_S).json()
+        except devserver.ServiceNotReady as e:
+            pytest.fail(str(e))
+        assert body["skills_preloaded"] == {}, body  # nothing preloaded
+        assert body["store"].get("redis") == "ok" and body["definitions"] == "ok", body
 
     def compiles(self) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -109,16 +72,6 @@ class Replica:
     def compose(self, name: str, timeout: float = 120) -> httpx.Response:
         return httpx.post(f"{self.url}/v1/compose", timeout=timeout,
                           json={"skills": [name], "user": "Say OK.", "max_tokens": MAX_TOKENS})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
 
 
 def _skill_text(tag: str) -> str:

@@ -1,55 +1,24 @@
 """End to end: a real uvicorn on 127.0.0.1 serving the embedded model, driven by the official
 openai SDK and by the skillcache client package."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import pytest
 
+from service.devserver import ROOT, ServiceNotReady, ServiceProcess
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "SKILLCACHE_HOME": str(home), "SKILLCACHE_SKILLS_DIR": str(ROOT / "skills")}
-    # reuse the converted model between test runs (the default home's cache), the store is fresh
-    default_home = Path(os.environ.get("SKILLCACHE_HOME", Path("~/.cache/skillcache").expanduser()))
-    env["SKILLCACHE_MODEL_CACHE"] = str(default_home / "models")
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
-        else:
-            pytest.fail("service not ready in 300 s: " + (home / "server.log").read_text()[-3000:])
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    svc = ServiceProcess(tmp_path_factory.mktemp("home"), {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills")},
+                         threads=None)
+    with svc:
+        try:
+            svc.wait_ready(300)
+        except ServiceNotReady as e:
+            pytest.fail(str(e))
+        yield svc.url
 
 
 def test_openai_sdk_streams_a_chat_completion_with_two_skills(server):

@@ -4,10 +4,6 @@ processes (`python -m service` on the embedded model) that can be killed, restar
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,11 +14,12 @@ from fastapi.testclient import TestClient
 
 from redis_server import free_port
 
+from service import devserver
+from service.devserver import ROOT  # noqa: F401  (the tests import it from here)
 from service.config import Settings
 from service.main import create_app
 from tiny import tiny_runtime
 
-ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240
 
 # keys used by the in-process tests: two tenants, an admin and a user in "acme", a user in "globex"
@@ -91,90 +88,28 @@ def sse_events(lines) -> list[dict | str]:
     return out
 
 
-class ServiceProcess:
-    """`python -m service` (the embedded model) on a free port with its own SKILLCACHE_HOME."""
+class ServiceProcess(devserver.ServiceProcess):
+    """`python -m service` (the embedded model) on a free port with its own SKILLCACHE_HOME, CPU, one torch
+    thread, and the fidelity guard's background work off (it holds the one worker for seconds per new skill;
+    not what these tests measure)."""
 
-    def __init__(self, home: Path, **env_overrides: str) -> None:
-        self.home = home
-        home.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        default_home = Path(os.environ.get("SKILLCACHE_HOME", Path("~/.cache/skillcache").expanduser()))
-        fp_cache = default_home / "fingerprints.json"  # skip re-hashing the weights in a fresh home
-        if fp_cache.is_file() and not (home / "fingerprints.json").exists():
-            (home / "fingerprints.json").write_bytes(fp_cache.read_bytes())
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("SKILLCACHE_")},
-            "SKILLCACHE_HOME": str(home),
-            "SKILLCACHE_MODEL_CACHE": str(default_home / "models"),  # the converted model, shared read-only
-            "SKILLCACHE_SKILLS_DIR": "",
-            "SKILLCACHE_DEVICE": "cpu",
-            # One intra-op thread: on a shared 2-core machine torch's default (one per core) thrashes, and a
-            # compile that takes 0.15 s alone takes 5 s (see the report). The fidelity guard's background
-            # calibration holds the one worker for seconds per new skill; not what these tests measure.
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "SKILLCACHE_SEAM_AUTO": "false",
-            "SKILLCACHE_SHADOW_SAMPLE_RATE": "0",
-            **env_overrides,
-        }
-        self.proc: subprocess.Popen | None = None
-        self.log_path = home / "server.log"
-        self.starts = 0
-
-    def start(self) -> "ServiceProcess":
-        self.starts += 1
-        log = open(self.log_path, "a")
-        log.write(f"\n=== start {self.starts} ===\n")
-        log.flush()
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port)], cwd=ROOT,
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self.t_start = time.monotonic()
-        return self
+    def __init__(self, home: Path, **env: str) -> None:
+        super().__init__(home, {"SKILLCACHE_DEVICE": "cpu", "SKILLCACHE_SEAM_AUTO": "false",
+                                "SKILLCACHE_SHADOW_SAMPLE_RATE": "0", **env})
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
-        deadline = self.t_start + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
-                    return time.monotonic() - self.t_start
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, f"service exited with {self.proc.returncode}\n{self.log_tail()}"
-            time.sleep(0.2)
-        pytest.fail(f"service not ready in {timeout_s} s\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
+        """Seconds from start to ready."""
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+            super().wait_ready(timeout_s)
+        except devserver.ServiceNotReady as e:
+            pytest.fail(str(e))
+        return self.ready_s
 
     def rss_peak_kib(self) -> int:
-        """VmHWM: the peak resident set of the server process so far."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmHWM in /proc/<pid>/status")
+        return self.proc_status("VmHWM")
 
     def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS in /proc/<pid>/status")
-
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        return self.proc_status("VmRSS")
 
 
 @contextmanager
