@@ -18,6 +18,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's default (one per "
+                               "core). Set it to the cores this replica really has when several share a machine")
 
     # store
     store: Literal["disk", "redis", "memory"] = "disk"

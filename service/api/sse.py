@@ -12,7 +12,12 @@ from service.api.errors import error_payload
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # OpenAPI: a route that streams when the body says "stream": true also answers 200 as text/event-stream
-SSE_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+# The schema describes one parsed event (OpenAPI 3.0/3.1 `schema`, 3.2 `itemSchema`), as the OpenAPI spec's
+# generic text/event-stream schema does: each `data` is one JSON object, or "[DONE]" at the end.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON object, or [DONE] after the last one"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+SSE_200 = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
                  "description": "JSON; with \"stream\": true, server-sent events (data: <json>, then data: [DONE])"}}
 
 

@@ -7,6 +7,10 @@ from service.config import Settings
 
 def build_runtime(settings: Settings):
     """Load the configured model and return a ModelRuntime with its fingerprint."""
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)  # process-wide: the worker thread uses it too
     from service.runtime.engine import ModelRuntime
     from service.runtime.fingerprint import model_fingerprint
     from service.runtime.loader import load_model
