@@ -1,4 +1,4 @@
-"""The KV block: one skill's keys and values, prefilled alone at canonical positions 0..N-1."""
+"""The KV block: one skill's keys and values, prefilled once at canonical positions base..base+N-1."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-LAYOUT_VERSION = 1  # bump when the meaning of stored tensors changes
+LAYOUT_VERSION = 2  # bump when the meaning of stored tensors changes (2: blocks carry their base position)
 
 
 @dataclass
 class KVBlock:
-    """Per-layer K/V of a token span prefilled in isolation at positions 0..N-1.
+    """Per-layer K/V of a token span prefilled once at positions base..base+N-1.
 
-    Keys are stored post-RoPE (as Hugging Face caches hold them) at the canonical positions;
-    every use rotates from this copy, never from an already-moved one.
+    `base` is the length of the anchor the span was prefilled after (the chat template's fixed
+    opening, see PromptBuilder.skill_anchor; 0 when prefilled alone). Keys are stored post-RoPE (as
+    Hugging Face caches hold them) at these canonical positions; every use moves them by
+    (offset - base) from this copy, never from an already-moved one.
     """
 
     keys: list[torch.Tensor]  # L x [1, H_kv, N, D]
@@ -23,8 +25,11 @@ class KVBlock:
     model_fingerprint: str
     layout_version: int = LAYOUT_VERSION
     meta: dict[str, str] = field(default_factory=dict)  # free-form, str -> str (safetensors)
+    base: int = 0  # canonical position of the first token
 
     def __post_init__(self) -> None:
+        if not isinstance(self.base, int) or self.base < 0:
+            raise ValueError(f"invalid base position {self.base!r}")
         if len(self.keys) != len(self.values):
             raise ValueError("keys and values must have one tensor per layer each")
         for k, v in zip(self.keys, self.values):
@@ -57,4 +62,5 @@ class KVBlock:
             model_fingerprint=self.model_fingerprint,
             layout_version=self.layout_version,
             meta=dict(self.meta),
+            base=self.base,
         )

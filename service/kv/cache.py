@@ -25,9 +25,10 @@ def new_cache(config) -> DynamicCache:
 
 
 def append_block(cache: DynamicCache, block: KVBlock, start: int, end: int, offset: int, rotator: KeyRotator) -> int:
-    """Append block tokens [start, end) to the cache, moved from canonical position i to offset + i.
+    """Append block tokens [start, end) to the cache, moved from canonical position base + i to offset + i.
 
-    Keys are re-rotated by `offset` from the stored copy; values are position-free and copied
+    Keys are re-rotated by `offset - base` from the stored copy (no rotation at all for a block that
+    sits where it was compiled); values are position-free and copied
     (MLA: the rotator moves k_pe, which transformers caches in the value slot).
     Returns the number of tokens appended.
     """
@@ -36,19 +37,20 @@ def append_block(cache: DynamicCache, block: KVBlock, start: int, end: int, offs
     rotator.check_tokens(block.token_ids)
     keys = [k[:, :, start:end] for k in block.keys]  # L x [1, H_kv, end - start, D]
     values = [v[:, :, start:end] for v in block.values]  # L x [1, H_kv, end - start, D_v]
-    keys, values = rotator.move_layers(keys, values, offset)
+    keys, values = rotator.move_layers(keys, values, offset - block.base)
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(k.contiguous(), v.contiguous(), layer)
     return end - start
 
 
-def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprint: str) -> KVBlock:
-    """Snapshot a cache holding exactly `token_ids` (prefilled alone at 0..N-1) as a KVBlock."""
+def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprint: str, base: int = 0) -> KVBlock:
+    """Snapshot the last len(token_ids) tokens of a cache (prefilled at base..base+N-1) as a KVBlock."""
     keys, values = [], []
     for layer in cache.layers:
-        keys.append(layer.keys.detach().clone())  # [1, H_kv, N, D]
-        values.append(layer.values.detach().clone())
-    return KVBlock(keys=keys, values=values, token_ids=list(token_ids), model_fingerprint=model_fingerprint)
+        keys.append(layer.keys[:, :, base:].detach().clone())  # [1, H_kv, N, D]
+        values.append(layer.values[:, :, base:].detach().clone())
+    return KVBlock(keys=keys, values=values, token_ids=list(token_ids), model_fingerprint=model_fingerprint,
+                   base=base)
 
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def truncate(cache: DynamicCache, n_tokens: int) -> None:
 
 
 def cache_from_block(config, block: KVBlock) -> DynamicCache:
-    """A fresh cache holding a block's tensors as they are (no re-rotation: positions 0..N-1)."""
+    """A fresh cache holding a block's tensors as they are (no re-rotation; a base-0 block: positions 0..N-1)."""
     cache = new_cache(config)
     for layer, (k, v) in enumerate(zip(block.keys, block.values)):
         cache.update(k.clone(), v.clone(), layer)

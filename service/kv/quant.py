@@ -74,7 +74,7 @@ def roundtrip_block(block: KVBlock, scheme: Int8Scheme = DEFAULT_INT8) -> KVBloc
         keys.append(dequantize(q_k, s_k, block.dtype))  # [1, H, T, D]
         values.append(dequantize(q_v, s_v, block.dtype))
     return KVBlock(keys=keys, values=values, token_ids=list(block.token_ids), model_fingerprint=block.model_fingerprint,
-                   layout_version=block.layout_version, meta=dict(block.meta))
+                   layout_version=block.layout_version, meta=dict(block.meta), base=block.base)
 
 
 def stored_bytes(block: KVBlock, compression: str = "none", scheme: Int8Scheme = DEFAULT_INT8) -> int:

@@ -1,7 +1,8 @@
 """Seam calibration: the smallest seam that makes composition match full recompute for a skill.
 
-Probe contexts place the skill at different offsets and after different neighbours; for each
-candidate seam size (ascending) the composed first-token logits are compared with the full
+Probe contexts place the skill first (after the template opening it was compiled after, so exact at
+any seam) and second, after a neighbour skill that is recomputed in full; for each candidate seam
+size (ascending) the composed first-token logits are compared with the full
 recompute of the same ids. A candidate passes when every probe's logit cosine reaches
 `min_cosine` and the top-1 token agrees on the probes whose full-recompute top-1 is decisive
 (probability margin over the runner-up >= `tie_margin`; near-ties flip under any perturbation,
@@ -54,18 +55,24 @@ def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], m
     at most one prefill of calibration work, never behind a whole calibration.
     """
     t0 = time.perf_counter()
-    cases = []  # (plan, full-recompute logits); the neighbour is text before the skill, recomputed
+    cases = []  # (plan, blocks, full-recompute logits, seams for a candidate k)
     for system, neighbour_text, user in _PROBES:
-        system = f"{system}\n\n{neighbour_text}" if neighbour_text else system
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        plan = rt.prompts.build(msgs, [block.token_ids])
-        full = yield (lambda plan=plan: rt.prefill(plan, [block], mode="full").logits)
-        cases.append((plan, full))
+        if neighbour_text:  # a skill before this one, always recomputed whole: only this block's seam varies
+            n_ids = rt.prompts.encode_content(neighbour_text)
+            blocks = [rt.compile_block(n_ids), block]  # ~20 tokens; its tensors go unused
+            seams = lambda k, n=len(n_ids): [n, k]  # noqa: E731
+        else:
+            blocks, seams = [block], lambda k: k  # noqa: E731
+        plan = rt.prompts.build(msgs, [b.token_ids for b in blocks])
+        full = yield (lambda plan=plan: rt.prefill(plan, [], mode="full").logits)
+        cases.append((plan, blocks, full, seams))
     best = None
     for k in sorted(set(c for c in candidates if c < block.n_tokens)) + [block.n_tokens]:
         cos, agree, decisive = 1.0, 0, 0
-        for plan, full in cases:
-            comp = yield (lambda plan=plan, k=k: rt.prefill(plan, [block], mode="compose", seam_tokens=k).logits)
+        for plan, blocks, full, seams in cases:
+            comp = yield (lambda plan=plan, blocks=blocks, k=k, seams=seams:
+                          rt.prefill(plan, blocks, mode="compose", seam_tokens=seams(k)).logits)
             cos = min(cos, float(torch.nn.functional.cosine_similarity(comp, full, dim=0)))
             if _decisive(full, tie_margin):
                 decisive += 1

@@ -55,6 +55,7 @@ class ModelRuntime:
         self.config = self.model.config.get_text_config(decoder=True)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
         self.prompts = PromptBuilder(self.tokenizer)
+        self.anchor = self.prompts.skill_anchor()  # what precedes the first skill in every prompt
         self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -71,13 +72,22 @@ class ModelRuntime:
         out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()  # [V]
 
-    def compile_block(self, token_ids: list[int]) -> KVBlock:
-        """Prefill a skill's ids alone at positions 0..N-1 (no BOS, no template) -> KVBlock."""
+    def compile_block(self, token_ids: list[int], anchor: list[int] | None = None) -> KVBlock:
+        """Prefill a skill's ids after `anchor` (default: the template's opening, self.anchor) -> KVBlock
+        at positions len(anchor)..len(anchor)+N-1. `anchor=[]`: the ids alone at 0..N-1.
+
+        The anchor is the text every prompt starts with before its first skill (`<|im_start|>system\n`
+        on ChatML), so the first skill of a composed prompt is exactly what a full prefill computes
+        (no rotation, no seam), and later skills see the same attention sink as in the full prompt.
+        """
         if not token_ids:
             raise InvalidRequest("a skill must contain at least one token of text")
+        anchor = self.anchor if anchor is None else anchor
         cache = new_cache(self.model.config)
-        self.forward(token_ids, 0, cache)
-        block = block_from_cache(cache, token_ids, self.fingerprint)
+        if anchor:
+            self.forward(anchor, 0, cache)
+        self.forward(token_ids, len(anchor), cache)
+        block = block_from_cache(cache, token_ids, self.fingerprint, base=len(anchor))
         block.meta["dtype"] = str(block.dtype).removeprefix("torch.")
         return block
 

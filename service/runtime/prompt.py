@@ -2,7 +2,9 @@
 
 A skill's ids in the composed prompt are exactly its precompiled ids (it is tokenized alone), and
 the full-recompute reference runs over the identical id sequence, so the two modes always compare
-like with like. User-supplied text (system, skills, turns) is tokenized with special tokens split,
+like with like. Skills come first in the system turn, before the request's own system text and
+errata: the static part of the prompt leads, so the first skill always follows the same template
+opening (`skill_anchor`) and is compiled after it exactly as a full prefill would compute it. User-supplied text (system, skills, turns) is tokenized with special tokens split,
 so text that spells `<|im_start|>` cannot forge prompt structure; only the template emits specials.
 """
 
@@ -78,7 +80,7 @@ class PromptBuilder:
         errata: list[str] | None = None,
         add_generation_prompt: bool = True,
     ) -> PromptPlan:
-        """Lay skills (then errata lines) into the system turn and render the conversation.
+        """Lay skills, then the system text, then errata lines into the system turn and render the conversation.
 
         `messages`: OpenAI-style [{"role", "content", "ids"?}], an optional leading system message.
         `skill_ids`: each skill's precompiled token ids, in request order.
@@ -91,8 +93,8 @@ class PromptBuilder:
 
         msgs = [dict(m) for m in messages]
         system_text = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else None
-        sys_parts = [sentinel("content", system_text)] if system_text else []
-        sys_parts += [sentinel("skill", i) for i in range(len(skill_ids))]
+        sys_parts = [sentinel("skill", i) for i in range(len(skill_ids))]
+        sys_parts += [sentinel("content", system_text)] if system_text else []
         sys_parts += [sentinel("content", line) for line in errata or []]
         # a message may carry "ids": its content's exact token ids (a session's generated replies),
         # so the transcript re-renders to the very tokens already cached
@@ -114,6 +116,13 @@ class PromptBuilder:
             cursor = match.end()
         self._add_text(plan, rendered[cursor:])
         return plan
+
+    def skill_anchor(self) -> list[int]:
+        """The ids every prompt carries before its first skill (the system turn's opening; BOS without a
+        template). Skills are compiled after it (ModelRuntime.compile_block)."""
+        plan = self.build([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], [[0]])
+        first = plan.segments[0]
+        return list(first.ids) if first.kind == "text" else []
 
     def _add_text(self, plan: PromptPlan, text: str, content: bool = False) -> None:
         if text:

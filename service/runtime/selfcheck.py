@@ -39,7 +39,7 @@ def run_selfcheck(rt: ModelRuntime, n_tokens: int = 16, offset: int = 777) -> Se
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(100, max(101, vocab - 1), (n_tokens,), generator=g).tolist()
     try:
-        block = rt.compile_block(ids)
+        block = rt.compile_block(ids, anchor=[])  # alone at 0..N-1
         cache = new_cache(rt.model.config)
         rt.forward(ids, offset, cache)
         moved_k, moved_v = rt.rotator.move_layers(block.keys, block.values, offset)  # MLA moves the value slot

@@ -107,6 +107,7 @@ def encode_block(key: BlockKey, block: KVBlock, compression: str = "none", schem
         content_hash=key.content_hash,
         n_tokens=str(block.n_tokens),
         n_layers=str(block.n_layers),
+        base_position=str(block.base),
         dtype=str(block.dtype),
         kv_compression=compression,
         checksum=_checksum(_ordered(tensors, block.n_layers, compression)),
@@ -138,6 +139,7 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
         if meta["format"] != FORMAT:
             raise CorruptBlock(REASON_FORMAT, f"format {meta['format']!r}")
         layout, n_tokens, n_layers = int(meta["layout_version"]), int(meta["n_tokens"]), int(meta["n_layers"])
+        base = int(meta.get("base_position", "0"))
         fingerprint, namespace, content_hash = meta["model_fingerprint"], meta["namespace"], meta["content_hash"]
         dtype_name, checksum = meta["dtype"], meta["checksum"]
         compression = meta.get("kv_compression", "none")  # blocks written before compression existed
@@ -186,7 +188,7 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
     user_meta = {name[5:]: val for name, val in meta.items() if name.startswith("meta.")}
     try:
         return KVBlock(keys=keys, values=values, token_ids=token_ids.tolist(),
-                       model_fingerprint=fingerprint, layout_version=layout, meta=user_meta)
+                       model_fingerprint=fingerprint, layout_version=layout, meta=user_meta, base=base)
     except ValueError as e:
         raise CorruptBlock(REASON_SHAPE, str(e)) from None
 

@@ -63,7 +63,7 @@ def test_gemma3_local_and_global_rope_differ_and_matter():
     assert [r.layer_type for r in rt.rotator.rotary_embs] == ["full_attention", "sliding_attention"]
     assert rt.rotator.rope_types == ["default", "linear"]
     ids = random_ids(24, seed=20)
-    block, direct = rt.compile_block(ids), _at(rt, ids, 300)
+    block, direct = rt.compile_block(ids, anchor=[]), _at(rt, ids, 300)
     wrong = KeyRotator(rt.rotator.rotary_embs[:1], [0, 0, 0], rt.rotator.apply_rotary)  # global RoPE everywhere
     bad = wrong.rotate_layers(block.keys, 300)[0]  # layer 0 is a sliding (local RoPE) layer
     assert not torch.allclose(bad, direct.layers[0].keys, atol=1e-2)
@@ -75,7 +75,7 @@ def test_mla_moves_only_k_pe(family):
     rt = tiny_runtime(family)
     cfg = rt.config
     ids = random_ids(20, seed=21)
-    block, direct = rt.compile_block(ids), _at(rt, ids, 250)
+    block, direct = rt.compile_block(ids, anchor=[]), _at(rt, ids, 250)
     assert block.keys[0].shape == (1, 1, 20, cfg.kv_lora_rank)
     assert block.values[0].shape == (1, 1, 20, cfg.qk_rope_head_dim)
     keys, values = rt.rotator.move_layers(block.keys, block.values, 250)
@@ -89,7 +89,7 @@ def test_deepseek_v3_without_interleave_is_exact_too():
     cfg = tiny_config("deepseek_v3", rope_interleave=False)
     rt = ModelRuntime(build_random_model(cfg, tiny_tokenizer()), "fp")
     ids = random_ids(20, seed=22)
-    block, direct = rt.compile_block(ids), _at(rt, ids, 77)
+    block, direct = rt.compile_block(ids, anchor=[]), _at(rt, ids, 77)
     _, values = rt.rotator.move_layers(block.keys, block.values, 77)
     for layer in range(block.n_layers):
         torch.testing.assert_close(values[layer], direct.layers[layer].values, atol=ATOL, rtol=1e-4)
@@ -100,7 +100,7 @@ def test_mrope_text_block_equals_explicit_3d_positions(family):
     """A text block moved by delta equals the block run with 3-D position ids (t = h = w = offset + i)."""
     rt = tiny_runtime(family)
     ids, offset = random_ids(20, seed=23), 90
-    block = rt.compile_block(ids)
+    block = rt.compile_block(ids, anchor=[])
     cache = new_cache(rt.model.config)
     pos3 = torch.arange(offset, offset + 20).view(1, 1, -1).expand(3, 1, -1)  # [3, B, T]
     with torch.inference_mode():
@@ -116,7 +116,7 @@ def test_mrope_image_block_refused(family):
     skill = random_ids(10, seed=24) + [rt.model.config.image_token_id] + random_ids(5, seed=25)
     plan = _plan(("text", random_ids(4, seed=26)), ("skill", skill), ("text", random_ids(3, seed=27)))
     with pytest.raises(UnsupportedModel, match="M-RoPE") as e:
-        rt.prefill(plan, [rt.compile_block(skill)], mode="compose", seam_tokens=2)
+        rt.prefill(plan, [rt.compile_block(skill, anchor=[])], mode="compose", seam_tokens=2)
     assert e.value.status == 422 and e.value.error_type == "unsupported_model"
 
 
@@ -155,7 +155,7 @@ def test_compose_longer_than_window(family):
     s1, s2 = random_ids(2 * SLIDING_WINDOW + 5, seed=31), random_ids(3 * SLIDING_WINDOW, seed=32)
     plan = _plan(("text", random_ids(SLIDING_WINDOW + 3, seed=33)), ("skill", s1), ("text", random_ids(2, seed=34)),
                  ("skill", s2), ("text", random_ids(5, seed=35)))
-    blocks = [rt.compile_block(s1), rt.compile_block(s2)]
+    blocks = [rt.compile_block(s1, anchor=[]), rt.compile_block(s2, anchor=[])]
     full = rt.prefill(plan, blocks, mode="full")
     whole = rt.prefill(plan, blocks, mode="compose", seam_tokens=len(s2))
     torch.testing.assert_close(whole.logits, full.logits, atol=1e-4, rtol=1e-4)

@@ -23,7 +23,7 @@ def _compiled_at(rt, ids, start):
 def test_rerotated_block_equals_block_compiled_at_offset(family, offset):
     rt = tiny_runtime(family)
     ids = random_ids(48, seed=1)
-    block = rt.compile_block(ids)
+    block = rt.compile_block(ids, anchor=[])
     direct = _compiled_at(rt, ids, offset)
     moved_k, moved_v = rt.rotator.move_layers(block.keys, block.values, offset)  # MLA: k_pe sits in the V slot
     for layer, (k_direct, v_direct) in enumerate(direct):  # every layer: [1, H_kv, N, D]
@@ -36,7 +36,7 @@ def test_rotation_without_moving_is_not_equal(family):
     """Control: the test above can fail — unrotated keys differ from keys at the offset."""
     rt = tiny_runtime(family)
     ids = random_ids(16, seed=2)
-    block = rt.compile_block(ids)
+    block = rt.compile_block(ids, anchor=[])
     direct = _compiled_at(rt, ids, 100)
     assert not torch.allclose(block.keys[0], direct[0][0], atol=1e-2)
 

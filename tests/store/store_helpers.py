@@ -10,20 +10,20 @@ from service.kv.block import KVBlock
 
 def synthetic_block(*, layers: int = 4, heads: int = 2, tokens: int = 16, dim: int = 8,
                     dtype: torch.dtype = torch.float32, fingerprint: str = "fp-test", seed: int = 0,
-                    meta: dict[str, str] | None = None) -> KVBlock:
+                    meta: dict[str, str] | None = None, base: int = 3) -> KVBlock:
     """Random K/V, L x [1, heads, tokens, dim]."""
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(1, heads, tokens, dim, generator=g).to(dtype) for _ in range(layers)]
     values = [torch.randn(1, heads, tokens, dim, generator=g).to(dtype) for _ in range(layers)]
     token_ids = torch.randint(0, 50_000, (tokens,), generator=g).tolist()
     return KVBlock(keys=keys, values=values, token_ids=token_ids, model_fingerprint=fingerprint,
-                   meta=meta or {"skill": "demo"})
+                   meta=meta or {"skill": "demo"}, base=base)
 
 
 def assert_same_block(a: KVBlock, b: KVBlock) -> None:
     assert a.n_layers == b.n_layers and a.token_ids == b.token_ids
     assert a.model_fingerprint == b.model_fingerprint and a.layout_version == b.layout_version
-    assert a.meta == b.meta
+    assert a.meta == b.meta and a.base == b.base
     for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
         assert x.dtype == y.dtype and torch.equal(x, y)
 

@@ -7,6 +7,7 @@ import torch
 
 from service.kv.block import KVBlock
 from service.store.errors import CorruptBlock
+from service.kv.block import LAYOUT_VERSION
 from service.store.key import BlockKey
 from service.store.serde import decode_block, encode_block, read_metadata
 from tests.store.store_helpers import assert_same_block, synthetic_block
@@ -16,7 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def test_key_round_trip(make_key) -> None:
     k = make_key("abc123", "team-a", "smollm2.135m-9f3e")
-    assert k.to_str() == "v1/team-a/smollm2.135m-9f3e/abc123"
+    assert k.to_str() == f"v{LAYOUT_VERSION}/team-a/smollm2.135m-9f3e/abc123"
     assert BlockKey.from_str(k.to_str()) == k
     assert {k: 1}[BlockKey.from_str(k.to_str())] == 1  # hashable, equal
 
@@ -83,7 +84,7 @@ def test_corruption_detected(mutate, key_kw, reason, make_key) -> None:
 
 def test_layout_mismatch(make_key) -> None:
     data = encode_block(make_key(), synthetic_block())
-    newer = BlockKey(model_fingerprint="fp-test", layout_version=2, namespace="ns", content_hash="h0")
+    newer = BlockKey(model_fingerprint="fp-test", layout_version=LAYOUT_VERSION + 1, namespace="ns", content_hash="h0")
     with pytest.raises(CorruptBlock) as ei:
         decode_block(data, newer)
     assert ei.value.reason == "layout"

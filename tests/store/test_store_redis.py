@@ -7,9 +7,12 @@ import time
 import pytest
 import torch
 
+from service.kv.block import LAYOUT_VERSION
 from service.store.errors import StoreUnavailable
 from service.store.redis import RedisBlockStore
 from tests.store.store_helpers import assert_same_block, metric, synthetic_block
+
+K0 = f"v{LAYOUT_VERSION}/ns/fp-test/h0"  # make_key()'s default key, as a string
 
 pytestmark = pytest.mark.redis
 
@@ -41,8 +44,8 @@ async def test_chunked_when_larger_than_one_chunk(redis_url, sync_redis, make_ke
         await store.put(make_key(), block)
         chunks = keys_of(sync_redis, "*:chunk:*")
         assert len(chunks) >= 9
-        assert all(k.startswith("skillcache:{v1/ns/fp-test/h0}:chunk:") for k in chunks)  # one hash tag
-        assert keys_of(sync_redis, "*:manifest") == ["skillcache:{v1/ns/fp-test/h0}:manifest"]
+        assert all(k.startswith(f"skillcache:{{{K0}}}:chunk:") for k in chunks)  # one hash tag
+        assert keys_of(sync_redis, "*:manifest") == [f"skillcache:{{{K0}}}:manifest"]
         assert all(len(sync_redis.get(k)) <= 1000 for k in chunks)
         assert sync_redis.ttl(chunks[0]) == -1  # no TTL configured: pending TTL removed after commit
         assert_same_block(await store.get(make_key()), block)

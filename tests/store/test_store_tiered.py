@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.kv.block import KVBlock
+from service.kv.block import LAYOUT_VERSION, KVBlock
 from service.store.disk import DiskBlockStore
 from service.store.base import BlockStore
 from service.store.errors import StoreUnavailable, StoreWriteError
@@ -17,6 +17,8 @@ from service.store.memory import MemoryBlockStore
 from service.store.redis import RedisBlockStore
 from service.store.tiered import TieredStore
 from tests.store.store_helpers import assert_same_block, metric, synthetic_block
+
+K0 = f"v{LAYOUT_VERSION}/ns/fp-test/h0"  # make_key()'s default key, as a string
 
 
 class Compiler:
@@ -253,13 +255,13 @@ async def test_compile_once_across_replicas(tmp_path: Path, redis_url, make_key)
 @pytest.mark.redis
 async def test_lock_timeout_falls_back_to_local_compile(tmp_path: Path, redis_url, sync_redis, make_key) -> None:
     store = TieredStore(redis_tiers(tmp_path, redis_url), lock_timeout_s=0.4, lock_poll_s=0.02)
-    sync_redis.set("skillcache:{v1/ns/fp-test/h0}:lock", "a-replica-that-died", px=60_000)
+    sync_redis.set(f"skillcache:{{{K0}}}:lock", "a-replica-that-died", px=60_000)
     compile_fn = Compiler(delay=0.01)
     try:
         t0 = time.monotonic()
         block, src = await store.get_or_compile(make_key(), compile_fn)
         assert src == "compiled" and compile_fn.calls == 1 and 0.35 < time.monotonic() - t0 < 3
-        assert sync_redis.get("skillcache:{v1/ns/fp-test/h0}:lock") == b"a-replica-that-died"  # not ours to drop
+        assert sync_redis.get(f"skillcache:{{{K0}}}:lock") == b"a-replica-that-died"  # not ours to drop
     finally:
         await store.close()
 
