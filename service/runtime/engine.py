@@ -56,6 +56,7 @@ class ModelRuntime:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
         self.prompts = PromptBuilder(self.tokenizer)
         self.anchor = self.prompts.skill_anchor()  # what precedes the first skill in every prompt
+        self._anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # L x [1, H_kv, A, D], lazily
         self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -91,6 +92,24 @@ class ModelRuntime:
         block.meta["dtype"] = str(block.dtype).removeprefix("torch.")
         return block
 
+    def _append_anchor(self, cache: DynamicCache) -> None:
+        """Append the anchor's K/V (computed once per runtime: it opens every prompt) to an empty cache."""
+        if self._anchor_kv is None:
+            tmp = new_cache(self.model.config)
+            self.forward(self.anchor, 0, tmp)
+            self._anchor_kv = [(layer.keys, layer.values) for layer in tmp.layers]
+        for layer, (k, v) in enumerate(self._anchor_kv):
+            cache.update(k.clone(), v.clone(), layer)
+
+    def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
+        """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
+        a = len(self.anchor)
+        if not a or len(plan.segments) < 2:
+            return False
+        text, skill = plan.segments[0], plan.segments[1]
+        return (text.kind == "text" and text.ids == self.anchor and skill.kind == "skill"
+                and blocks[skill.skill_index].base == a)
+
     # ---- prompt cache ---------------------------------------------------------------------
     def check_length(self, n_prompt: int, max_new_tokens: int, mode: Mode) -> None:
         total = n_prompt + max_new_tokens
@@ -111,6 +130,8 @@ class ModelRuntime:
         compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the model
         against the real preceding context; the rest of each block is re-rotated from its
         canonical copy. full: the token-identical full recompute of plan.ids.
+        A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
+        already exactly what a full prefill computes, and the anchor's own K/V is cached.
         """
         t0 = time.perf_counter()
         cache = new_cache(self.model.config)
@@ -121,6 +142,10 @@ class ModelRuntime:
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
         pos = n_reused = 0
         t_rotate = t_text = 0.0
+        segments, exact_first = plan.segments, None
+        if self._starts_at_anchor(plan, blocks):
+            self._append_anchor(cache)
+            pos, segments, exact_first = len(self.anchor), plan.segments[1:], plan.segments[1].skill_index
 
         def flush() -> None:
             nonlocal pending, t_text
@@ -130,7 +155,7 @@ class ModelRuntime:
                 t_text += time.perf_counter() - t1
                 pending = []
 
-        for seg in plan.segments:
+        for seg in segments:
             if seg.kind == "text":
                 pending.extend(seg.ids)
                 pos += len(seg.ids)
@@ -140,6 +165,8 @@ class ModelRuntime:
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
             # spans run through the model with the prompt's ids: the seam, then any edited field spans
             seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
+            if seg.skill_index == exact_first and not seg.recompute:  # edited: tokens after the edit are stale
+                seam = 0
             spans = _merge([(0, min(seam, block.n_tokens)), *seg.recompute])
             if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
