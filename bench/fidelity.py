@@ -17,7 +17,8 @@ shortest length).
      triples in different orders, two system prompts, realistic user questions
   b  number of composed skills 1..--max-skills (--per-n orders each), at seam 0 and --default-seam
   c  skill length (--lengths tokens of long real text: /work/shared/reference/*.md, else the
-     shipped skills), the block first in the system turn, at seams 0, --default-seam and 32
+     shipped skills), the block second, after a ~40-token preamble skill (a first skill is copied
+     exactly and would measure nothing), at seams 0, --default-seam and 32
   d  the no-re-rotation control on part a's cases (--control-seams): blocks are copied at their
      canonical positions 0..N-1 (the rotator's move patched to the identity), seams still recomputed
 
@@ -90,6 +91,9 @@ def shipped_skills(rt) -> dict[str, list[int]]:
         out[s["name"]] = rt.prompts.encode_content(render(s["text"], s["fields"]))
     return out
 
+
+PREAMBLE = ("Glossary. Order: a purchase with one order id. Customer: the person who placed it. Agent: you. "
+            "Policy: the rules below. Ticket: one conversation about one order.")
 
 def long_text_ids(rt, n: int, paths: list[Path]) -> list[int]:
     """n tokens of long real text: the given files joined (repeated only if too short)."""
@@ -249,11 +253,13 @@ def run_parts(rt, args, compress) -> list[dict]:
                     emit(case.run(k, gmin if k == args.default_seam else 0, args.greedy))
     if "c" in args.parts:
         paths = [Path(p) for p in args.long_text] if args.long_text else sorted(REFERENCE_DIR.glob("*.md"))
+        pre = rt.prompts.encode_content(PREAMBLE)  # in front, so the long block is moved, not first
         for n in args.lengths:
             ids = long_text_ids(rt, n, paths)
             for j, q in enumerate(LENGTH_QUESTIONS[: args.length_questions]):
-                case = build_case(rt, "c", f"text{n}/q{j}", [ids], SYSTEMS[j % 2], q,
-                                  {"skills": [f"text{n}"], "system": j % 2, "n_skills": 1, "length": n}, gmin, compress)
+                case = build_case(rt, "c", f"text{n}/q{j}", [pre, ids], SYSTEMS[j % 2], q,
+                                  {"skills": ["preamble", f"text{n}"], "system": j % 2, "n_skills": 2, "length": n},
+                                  gmin, compress)
                 for k in sorted({0, args.default_seam, 32}):
                     emit(case.run(k, gmin if k == args.default_seam else 0, args.greedy))
     return rows
