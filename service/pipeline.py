@@ -82,8 +82,11 @@ class ComposePipeline:
         self.worker = worker
         self.guard = FidelityGuard(settings, runtime, worker, store)
 
-    async def block_for(self, namespace: str, text: str, calibrate: bool = True):
-        """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from."""
+    async def block_for(self, namespace: str, text: str, variant: bool = False):
+        """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from.
+
+        variant: a one-off text (a recompile edit's field values), kept in the memory tier only and not
+        calibrated; registered skills' blocks go to every tier and are calibrated once."""
         key = self.registry.block_key(namespace, text)
 
         async def compile_fn():
@@ -93,9 +96,9 @@ class ComposePipeline:
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return block
 
-        block, source = await self.store.get_or_compile(key, compile_fn)
+        block, source = await self.store.get_or_compile(key, compile_fn, ephemeral=variant)
         metrics.SKILL_HITS.labels(source).inc()
-        if calibrate:  # registered skills; not one-off variants (recompile edits)
+        if not variant:
             self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
 
@@ -120,7 +123,7 @@ class ComposePipeline:
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources, keys, seams = [], [], [], []
         for rec, edit in zip(records, edits):
-            block, source = await self.block_for(p.namespace, edit.text, calibrate=edit.text == rec.default_text)
+            block, source = await self.block_for(p.namespace, edit.text, variant=edit.text != rec.default_text)
             key = str(self.registry.block_key(p.namespace, edit.text))
             blocks.append(block)
             sources.append(source)

@@ -82,6 +82,8 @@ def test_edit_modes_over_the_api(client):
         assert r.json()["edits"][0]["mode"] == expect
     rc = client.post("/v1/compose", json={**base, "edit_mode": "recompile"}).json()
     assert rc["skills"][0]["source"] == "memory"  # the variant was compiled once, then cached
+    home = client.app.state.skillcache.settings.home
+    assert len(list((home / "store" / "blocks").rglob("*.safetensors"))) == 1  # the skill's; not the variant's
     ip = client.post("/v1/compose", json={**base, "edit_mode": "in_place"}).json()
     er = client.post("/v1/compose", json={**base, "edit_mode": "erratum"}).json()
     assert ip["usage"]["prompt_tokens"] < er["usage"]["prompt_tokens"]  # no appended line

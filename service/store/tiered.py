@@ -99,9 +99,14 @@ class TieredStore:
 
     # -- reads and writes --
 
-    async def get(self, key: BlockKey) -> tuple[KVBlock | None, str | None]:
+    def _tiers(self, ephemeral: bool) -> list[BlockStore]:
+        """Every tier, or for ephemeral blocks only the in-process memory tier(s)."""
+        return [t for t in self.tiers if t.name == "memory"] if ephemeral else self.tiers
+
+    async def get(self, key: BlockKey, ephemeral: bool = False) -> tuple[KVBlock | None, str | None]:
         """(block, tier name) from the first tier that has it, filling the tiers above; (None, None) on a miss."""
-        for i, tier in enumerate(self.tiers):
+        tiers = self._tiers(ephemeral)
+        for i, tier in enumerate(tiers):
             if not self._available(tier):
                 continue
             try:
@@ -109,7 +114,7 @@ class TieredStore:
             except StoreError:
                 continue
             if block is not None:
-                await self._fill(self.tiers[:i], key, block)
+                await self._fill(tiers[:i], key, block)
                 return block, tier.name
         return None, None
 
@@ -133,11 +138,13 @@ class TieredStore:
             log.warning("store tier %s: put %s failed: %s", tier.name, key.to_str(), e)
             return e
 
-    async def put(self, key: BlockKey, block: KVBlock) -> list[str]:
-        """Write to every tier; returns the names of tiers that failed. Raises only if every tier failed."""
-        errors = await asyncio.gather(*(self._put_quiet(t, key, block) for t in self.tiers))
-        failed = [t.name for t, e in zip(self.tiers, errors) if e is not None]
-        if len(failed) == len(self.tiers):
+    async def put(self, key: BlockKey, block: KVBlock, ephemeral: bool = False) -> list[str]:
+        """Write to every tier (ephemeral: memory only); returns the names of tiers that failed. Raises only
+        if every tier failed."""
+        tiers = self._tiers(ephemeral)
+        errors = await asyncio.gather(*(self._put_quiet(t, key, block) for t in tiers))
+        failed = [t.name for t, e in zip(tiers, errors) if e is not None]
+        if len(failed) == len(tiers):
             raise next(e for e in errors if e is not None)
         return failed
 
@@ -174,19 +181,22 @@ class TieredStore:
 
     # -- compile once --
 
-    async def get_or_compile(self, key: BlockKey, compile_fn: CompileFn) -> tuple[KVBlock, str]:
+    async def get_or_compile(self, key: BlockKey, compile_fn: CompileFn,
+                             ephemeral: bool = False) -> tuple[KVBlock, str]:
         """The block and where it came from (a tier name or "compiled"), compiling at most once per key.
 
         Concurrent callers in this process share one compile (callers that joined it also get
         "compiled"); with a Redis tier, replicas share one compile through a Redis lock.
-        Cancelling a caller does not cancel the shared compile.
+        Cancelling a caller does not cancel the shared compile. `ephemeral`: a one-off block (a
+        recompile edit's variant) kept in the memory tier only, where LRU eviction bounds it; it is
+        never written to disk or Redis, which nothing would ever clean up.
         """
-        block, source = await self.get(key)
+        block, source = await self.get(key, ephemeral)
         if block is not None:
             return block, source  # type: ignore[return-value]
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.create_task(self._produce(key, compile_fn))
+            task = asyncio.create_task(self._produce(key, compile_fn, ephemeral))
             self._inflight[key] = task
             task.add_done_callback(lambda t: self._task_done(key, t))
         return await asyncio.shield(task)
@@ -197,10 +207,12 @@ class TieredStore:
         if not task.cancelled():
             task.exception()  # mark retrieved: callers that went away must not cause a warning
 
-    async def _produce(self, key: BlockKey, compile_fn: CompileFn) -> tuple[KVBlock, str]:
-        block, source = await self.get(key)  # a compile for this key may have finished since our miss
+    async def _produce(self, key: BlockKey, compile_fn: CompileFn, ephemeral: bool = False) -> tuple[KVBlock, str]:
+        block, source = await self.get(key, ephemeral)  # a compile for this key may have finished since our miss
         if block is not None:
             return block, source  # type: ignore[return-value]
+        if ephemeral:
+            return await self._compile(key, compile_fn, ephemeral=True)
         lock = self._lock_tier
         if lock is None or not self._available(lock):
             return await self._compile(key, compile_fn)
@@ -247,13 +259,13 @@ class TieredStore:
     async def _lock_tier_get(self, lock: BlockStore, key: BlockKey) -> KVBlock | None:
         return await self._run(lock, "get", lock.get, key)
 
-    async def _compile(self, key: BlockKey, compile_fn: CompileFn) -> tuple[KVBlock, str]:
+    async def _compile(self, key: BlockKey, compile_fn: CompileFn, ephemeral: bool = False) -> tuple[KVBlock, str]:
         block = await compile_fn()
         COMPILES.inc()
         if self.canonicalize is not None:
             block = await asyncio.to_thread(self.canonicalize, block)
         try:
-            failed = await self.put(key, block)
+            failed = await self.put(key, block, ephemeral)
             if failed:
                 log.warning("compiled block %s not stored in %s", key, failed)
         except StoreError as e:

@@ -52,6 +52,23 @@ async def test_read_through_and_sources(tmp_path: Path, make_key) -> None:
     assert await store.health() == {"memory": "ok", "disk": "ok"}
 
 
+async def test_ephemeral_blocks_stay_in_memory(tmp_path: Path, make_key) -> None:
+    """One-off variants (recompile edits) are cached in memory only: nothing on disk to clean up later."""
+    mem, disk = local_tiers(tmp_path)
+    store = TieredStore([mem, disk], background_fill=False)
+    compile_fn = Compiler(delay=0.0)
+    _, src = await store.get_or_compile(make_key("variant"), compile_fn, ephemeral=True)
+    assert src == "compiled" and await mem.contains(make_key("variant"))
+    assert not await disk.contains(make_key("variant")) and not list(tmp_path.rglob("*.safetensors"))
+    assert (await store.get_or_compile(make_key("variant"), compile_fn, ephemeral=True))[1] == "memory"
+    assert compile_fn.calls == 1
+    # a registered block goes everywhere, and an ephemeral lookup does not read it from disk
+    await store.get_or_compile(make_key("skill"), compile_fn)
+    assert await disk.contains(make_key("skill"))
+    await mem.delete(make_key("skill"))
+    assert (await store.get_or_compile(make_key("skill"), compile_fn, ephemeral=True))[1] == "compiled"
+
+
 async def test_write_through_reports_failed_tiers(tmp_path: Path, make_key, monkeypatch) -> None:
     store = TieredStore(local_tiers(tmp_path))
 
