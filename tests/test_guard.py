@@ -88,3 +88,33 @@ def test_broken_composition_is_caught_and_served_by_full_prefill(tmp_path, embed
         assert {s["path"] for s in after["skills"]} == {"full"}
         assert after["usage"]["composed_tokens"] == 0
         assert c.get("/v1/skills/refund-policy").json()["degraded"]
+
+
+def test_calibration_runs_the_model_only_inside_its_steps(monkeypatch):
+    """The guard advances the step generator on the event loop and runs each step on the worker, so any
+    model call made between steps would race the worker: there must be none."""
+    from service.runtime.calibrate import calibration_steps
+
+    rt = tiny_runtime("llama")
+    block = rt.compile_block(random_ids(24, seed=22))
+    inside, outside_calls = [False], []
+    forward = rt.forward
+
+    def watched(*a, **k):
+        if not inside[0]:
+            outside_calls.append(a[1])
+        return forward(*a, **k)
+
+    monkeypatch.setattr(rt, "forward", watched)
+    steps = calibration_steps(rt, block, [0, 4], min_cosine=0.999, tie_margin=0.05)
+    result, n_steps = None, 0
+    try:
+        while True:
+            step = steps.send(result)
+            inside[0] = True
+            result = step()
+            inside[0] = False
+            n_steps += 1
+    except StopIteration as done:
+        assert done.value.n_probes == 2
+    assert outside_calls == [] and n_steps > 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -48,8 +49,8 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
 
 
 def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-                      tie_margin: float) -> Generator[Callable[[], torch.Tensor], torch.Tensor, Calibration]:
-    """Calibration as a sequence of single-prefill steps: yields a closure, receives its logits.
+                      tie_margin: float) -> Generator[Callable[[], Any], Any, Calibration]:
+    """Calibration as a sequence of single-prefill steps: yields a closure, receives its result.
 
     The caller runs each step when the inference worker is idle, so a live request waits behind
     at most one prefill of calibration work, never behind a whole calibration.
@@ -60,7 +61,8 @@ def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], m
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         if neighbour_text:  # a skill before this one, always recomputed whole: only this block's seam varies
             n_ids = rt.prompts.encode_content(neighbour_text)
-            blocks = [rt.compile_block(n_ids), block]  # ~20 tokens; its tensors go unused
+            # a step like the others: model work runs only where the caller runs steps (the worker)
+            blocks = [(yield (lambda n_ids=n_ids: rt.compile_block(n_ids))), block]  # its tensors go unused
             seams = lambda k, n=len(n_ids): [n, k]  # noqa: E731
         else:
             blocks, seams = [block], lambda k: k  # noqa: E731
