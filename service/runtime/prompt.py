@@ -4,8 +4,9 @@ A skill's ids in the composed prompt are exactly its precompiled ids (it is toke
 the full-recompute reference runs over the identical id sequence, so the two modes always compare
 like with like. Skills come first in the system turn, before the request's own system text and
 errata: the static part of the prompt leads, so the first skill always follows the same template
-opening (`skill_anchor`) and is compiled after it exactly as a full prefill would compute it. User-supplied text (system, skills, turns) is tokenized with special tokens split,
-so text that spells `<|im_start|>` cannot forge prompt structure; only the template emits specials.
+opening (`skill_anchor`) and is compiled after it exactly as a full prefill would compute it.
+User-supplied text (system, skills, turns) is tokenized with special tokens split, so text that
+spells `<|im_start|>` cannot forge prompt structure; only the template emits specials.
 """
 
 from __future__ import annotations

@@ -142,6 +142,8 @@ class TieredStore:
         """Write to every tier (ephemeral: memory only); returns the names of tiers that failed. Raises only
         if every tier failed."""
         tiers = self._tiers(ephemeral)
+        if not tiers:  # ephemeral, and no memory tier to hold it: nothing to write
+            return []
         errors = await asyncio.gather(*(self._put_quiet(t, key, block) for t in tiers))
         failed = [t.name for t, e in zip(tiers, errors) if e is not None]
         if len(failed) == len(tiers):

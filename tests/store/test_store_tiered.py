@@ -309,3 +309,11 @@ async def test_redis_down_compiles_locally(tmp_path: Path, own_redis, make_key) 
         assert src == "compiled" and (await store.get(make_key()))[1] == "memory"
     finally:
         await store.close()
+
+
+async def test_ephemeral_without_a_memory_tier_is_just_compiled(tmp_path: Path, make_key) -> None:
+    store = TieredStore([DiskBlockStore(tmp_path)], background_fill=False)
+    compile_fn = Compiler(delay=0.0)
+    assert (await store.get_or_compile(make_key("v"), compile_fn, ephemeral=True))[1] == "compiled"
+    assert (await store.get_or_compile(make_key("v"), compile_fn, ephemeral=True))[1] == "compiled"
+    assert compile_fn.calls == 2 and not list(tmp_path.rglob("*.safetensors"))
