@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     session_ttl_s: float = 3600.0
     max_sessions: int = Field(256, description="live sessions per tenant")
     session_persist: bool = True
+    session_store_ttl_s: float = Field(
+        86400.0, ge=0, description="saved sessions with no turn for longer are deleted from the store (swept "
+        "in the background by every replica; a resume past it is 404); 0 keeps them until DELETE")
 
     # limits
     max_skill_tokens: int = 16384

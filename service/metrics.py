@@ -38,3 +38,7 @@ SHADOW_CHECKS = Counter("skillcache_shadow_checks_total", "Compose requests re-r
 SHADOW_COSINE = Histogram("skillcache_shadow_cosine", "First-token logit cosine, compose vs full (shadow)",
                           buckets=(0.9, 0.99, 0.995, 0.999, 0.9995, 0.9999, 1.0))
 DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")
+
+# sessions
+SESSIONS_EXPIRED = Counter("skillcache_sessions_expired_total",
+                           "Saved sessions deleted after SKILLCACHE_SESSION_STORE_TTL_S with no turn")

@@ -1,73 +1,35 @@
 """Sessions: the paper's edit+compose agent. Turn 0 composes the skills into the system turn; each
 later turn reuses the longest common cached prefix and prefills only the new tokens; changed fields
-arrive as erratum lines (current value only) at the head of the user turn. Session KV is bounded
-(LRU by bytes, idle TTL) and persisted to the store so another replica can resume it.
+arrive as erratum lines (current value only) at the head of the user turn. Live session KV is bounded
+(LRU by bytes, idle TTL); saved copies (session_store.py) let another replica resume a session.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from service import metrics
 from service.edits import check_fields, plan_edit
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
-from service.kv.block import LAYOUT_VERSION
 from service.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
-from service.store.key import BlockKey
+from service.session_store import SavedSessions, Session
 
 log = logging.getLogger(__name__)
 
 
-def _doc_ns(ns: str) -> str:
-    return f"{ns}.sessions"  # session documents live beside skill definitions, in their own namespace
-
-
-@dataclass
-class Session:
-    id: str
-    namespace: str
-    skills: list[dict]  # [{"name", "version", "content_hash"}]
-    system: str | None
-    fields: dict[str, str]  # current values
-    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns so far
-    base_errata: list[str] = field(default_factory=list)  # field values given at creation
-    skill_ids: list[list[int]] = field(default_factory=list)  # each skill block's ids, as composed
-    ids: list[int] = field(default_factory=list)  # tokens held by `cache`
-    cache: Any = None  # DynamicCache, owned by this session; None until loaded
-    created_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
-    save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves in order, the newest wins
-    saves: int = 0
-
-    def doc(self) -> dict:
-        keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids", "ids",
-                "created_at")
-        return {k: getattr(self, k) for k in keep}
-
-    def public(self) -> dict:
-        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        return {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
-                "n_tokens": len(self.ids), "turns": sum(m["role"] == "user" for m in self.messages),
-                "created_at": self.created_at}
-
-
 class SessionManager:
-    def __init__(self, pipeline: ComposePipeline, max_bytes: int, ttl_s: float, max_per_namespace: int,
-                 persist: bool = True) -> None:
+    def __init__(self, pipeline: ComposePipeline) -> None:
         self.p = pipeline
         self.rt = pipeline.rt
-        self.max_bytes, self.ttl_s, self.max_per_ns, self.persist = max_bytes, ttl_s, max_per_namespace, persist
+        st = pipeline.settings
+        self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
-        self._bg: set[asyncio.Task] = set()
+        self.saved = SavedSessions(pipeline, self.live)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
@@ -99,7 +61,7 @@ class SessionManager:
         pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam))
         s.cache, s.ids = pre.cache, plan.ids
         self._admit(s)
-        self._persist_later(s)
+        self.saved.save_later(s)
         return s, {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused,
                    "recomputed_tokens": pre.n_recomputed}
 
@@ -116,8 +78,7 @@ class SessionManager:
     async def delete(self, ns: str, sid: str) -> None:
         s = await self.get(ns, sid)
         self.live.pop(s.id, None)
-        await self._defs.delete(_doc_ns(ns), sid)
-        await self.p.store.delete(self._key(s))
+        await self.saved.delete(s)
 
     # ---- turns -----------------------------------------------------------------------------
     async def turn(self, ns: str, sid: str, user: str, fields: dict[str, str], gen: GenParams
@@ -188,7 +149,7 @@ class SessionManager:
                                "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
                     edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
                     self._admit(s)
-                    self._persist_later(s)
+                    self.saved.save_later(s)
                     yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits)
                     return
                 yield item
@@ -196,16 +157,9 @@ class SessionManager:
         finally:
             s.lock.release()
 
-    # ---- memory bound, persistence, resume ---------------------------------------------------
-    @property
-    def _defs(self):
-        return self.p.registry.definitions
-
+    # ---- memory bound and resume ---------------------------------------------------
     def _head(self, s: Session) -> list[dict[str, str]]:
         return [{"role": "system", "content": s.system}] if s.system else []
-
-    def _key(self, s: Session) -> BlockKey:
-        return BlockKey(self.rt.fingerprint, LAYOUT_VERSION, s.namespace, s.id)
 
     def bytes_held(self) -> int:
         from service.kv.cache import cache_bytes
@@ -226,51 +180,10 @@ class SessionManager:
                 break
             self.live.pop(victim.id)
 
-    def _persist_later(self, s: Session) -> None:
-        if not self.persist:
-            return
-        from service.kv.block import KVBlock
-
-        doc = s.doc()
-        layers = [(layer.keys, layer.values) for layer in s.cache.layers]  # [1, H_kv, T, D], T == len(ids)
-        block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.rt.fingerprint)
-
-        s.saves += 1
-        generation = s.saves
-
-        async def save() -> None:
-            async with s.save_lock:
-                if generation < s.saves:
-                    return  # a newer state is queued behind us
-                try:
-                    await self.p.store.put(self._key(s), block)
-                    await self._defs.put(_doc_ns(s.namespace), s.id, 1, doc)  # the document last
-                except Exception as e:  # persistence is best effort: the live session keeps working
-                    log.warning("session %s not persisted: %s", s.id, e)
-
-        task = asyncio.create_task(save())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
     async def drain(self) -> None:
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.saved.drain()
 
     async def _resume(self, ns: str, sid: str) -> Session:
-        """A session this process does not hold: load its document and KV from the store."""
-        from service.kv.cache import cache_from_block
-
-        doc = await self._defs.get(_doc_ns(ns), sid) if _valid_id(sid) else None
-        if doc is None:
-            raise SessionNotFound(f"session {sid!r} not found (it may have expired)")
-        s = Session(**{k: v for k, v in doc.items()})
-        block, _ = await self.p.store.get(self._key(s))
-        if block is None or block.token_ids != s.ids:
-            raise SessionNotFound(f"session {sid!r} lost its cache (expired from the store); start a new one")
-        s.cache = cache_from_block(self.rt.model.config, block)
+        s = await self.saved.load(ns, sid)
         self._admit(s)
         return s
-
-
-def _valid_id(sid: str) -> bool:
-    return sid.startswith("s-") and len(sid) == 26 and all(c in "0123456789abcdef" for c in sid[2:])

@@ -62,9 +62,8 @@ class AppState:
                 self.settings.max_skill_tokens,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
-            st = self.settings
-            self.sessions = SessionManager(self.pipeline, st.session_max_bytes, st.session_ttl_s, st.max_sessions,
-                                           st.session_persist)
+            self.sessions = SessionManager(self.pipeline)
+            self.sessions.saved.start_sweeper()
             await self._preload_skills()
             self._ready = True
         except Exception as e:
@@ -128,6 +127,7 @@ class AppState:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         if self.sessions is not None:
+            self.sessions.saved.stop_sweeper()
             await self.sessions.drain()
         self.worker.stop()
         await self.store.close()

@@ -134,3 +134,57 @@ def test_session_limits(app):
     sid = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
     r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "x", "max_tokens": 100_000})
     assert r.status_code == 413 and "SKILLCACHE_MAX_TOKENS_CAP" in r.json()["error"]["message"]
+
+
+def test_saved_sessions_expire_after_the_store_ttl(tmp_path):
+    """Saved copies (KV on disk, document) with no turn for longer than SKILLCACHE_SESSION_STORE_TTL_S are
+    deleted by the sweep, and a resume past the TTL is a 404 even before a sweep ran; fresh ones stay."""
+    import time
+
+    from service.session_store import Session
+
+    with make_client(tmp_path, session_store_ttl_s=3600, session_max_bytes=1) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
+        saved, defs = state.sessions.saved, state.definitions
+        assert saved._sweeper is not None and not saved._sweeper.done()  # the background sweep runs
+        old, stale, fresh = (c.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"] for _ in range(3))
+        assert c.post(f"/v1/sessions/{fresh}/turns", json={"user": "hi", "max_tokens": 2}).status_code == 200
+        c.portal.call(state.sessions.drain)
+        assert list(state.sessions.live) == [fresh]  # session_max_bytes=1: the others live only in the store
+
+        def age(sid: str) -> Session:  # as if its last turn was two hours ago
+            doc = c.portal.call(defs.get, "default.sessions", sid)
+            doc["saved_at"] = time.time() - 7200
+            c.portal.call(defs.put, "default.sessions", sid, 1, doc)
+            return Session(**doc)
+
+        old_s, _ = age(old), age(stale)
+        r = c.get(f"/v1/sessions/{stale}")  # past the TTL: expired on resume, and deleted
+        assert r.status_code == 404 and "SKILLCACHE_SESSION_STORE_TTL_S" in r.json()["error"]["message"]
+        assert c.portal.call(defs.get, "default.sessions", stale) is None
+        block_file = state.store.tiers[1].path_for(saved._key(old_s))
+        assert block_file.is_file()
+        assert c.portal.call(saved.sweep) == 1  # `old`; `fresh` was saved just now
+        assert not block_file.exists() and c.portal.call(defs.get, "default.sessions", old) is None
+        assert c.get(f"/v1/sessions/{old}").status_code == 404
+        assert c.post(f"/v1/sessions/{fresh}/turns", json={"user": "again", "max_tokens": 2}).status_code == 200
+        # an hour and more later the fresh one goes too, live or not
+        c.portal.call(state.sessions.drain)
+        assert c.portal.call(saved.sweep, time.time() + 3700) == 1 and not state.sessions.live
+        assert c.get(f"/v1/sessions/{fresh}").status_code == 404
+
+
+def test_store_ttl_zero_keeps_saved_sessions(tmp_path):
+    import time
+
+    with make_client(tmp_path, session_store_ttl_s=0) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
+        sid = c.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+        c.portal.call(state.sessions.drain)
+        assert state.sessions.saved._sweeper is None
+        assert c.portal.call(state.sessions.saved.sweep, time.time() + 10**9) == 0
+        assert c.get(f"/v1/sessions/{sid}").status_code == 200

@@ -64,6 +64,10 @@ class DefinitionStore(abc.ABC):
     async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
         """Remove every version; returns the removed docs (ascending version) so blocks can be deleted."""
 
+    @abc.abstractmethod
+    async def namespaces(self) -> list[str]:
+        """Every namespace that holds at least one doc, sorted (a few may be empty after deletes)."""
+
     async def ping(self) -> bool:
         return True
 
@@ -101,6 +105,9 @@ class MemoryDefinitionStore(DefinitionStore):
         check_name(namespace, "namespace"), check_name(name, "name")
         docs = self._docs.pop((namespace, name), {})
         return [docs[v] for v in sorted(docs)]
+
+    async def namespaces(self) -> list[str]:
+        return sorted({ns for (ns, _), d in self._docs.items() if d})
 
 
 class DiskDefinitionStore(DefinitionStore):
@@ -176,6 +183,14 @@ class DiskDefinitionStore(DefinitionStore):
         shutil.rmtree(grave, ignore_errors=True)  # a crash here leaves a hidden dir that reads ignore
         return docs
 
+    def _namespaces(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StoreUnavailable(f"definition store at {self.root}: cannot list it: {e}") from e
+
     async def put(self, namespace: str, name: str, version: int, doc: dict[str, Any]) -> None:
         await asyncio.to_thread(self._put, namespace, name, version, doc)
 
@@ -193,6 +208,9 @@ class DiskDefinitionStore(DefinitionStore):
 
     async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._delete, namespace, name)
+
+    async def namespaces(self) -> list[str]:
+        return await asyncio.to_thread(self._namespaces)
 
     async def ping(self) -> bool:
         """The root, or its nearest existing ancestor on a fresh home (the first write creates the rest), is a

@@ -149,6 +149,9 @@ class CachedDefinitionStore(DefinitionStore):
         self._forget(namespace, name)
         return docs
 
+    async def namespaces(self) -> list[str]:
+        return await self._call(self.inner.namespaces)
+
     async def ping(self) -> bool:
         ok = await self.inner.ping()
         if ok:

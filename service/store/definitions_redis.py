@@ -95,6 +95,12 @@ class RedisDefinitionStore(DefinitionStore):
                         continue
         return [json.loads(versions[v]) for v in sorted(versions, key=int)]
 
+    async def namespaces(self) -> list[str]:
+        head, tail = f"{self.prefix}:def:{{", "}:names"  # SCAN: O(keys) per call; for background sweeps only
+        async with self._guard():
+            keys = [k async for k in self._r.scan_iter(match=f"{head}*{tail}", count=1000)]
+        return sorted({k[len(head):-len(tail)] for k in keys})
+
     async def ping(self) -> bool:
         try:
             async with self._guard():

@@ -50,6 +50,15 @@ async def test_versions_latest_list_delete(defs: DefinitionStore) -> None:
     assert await defs.ping()
 
 
+async def test_namespaces_lists_every_namespace_with_docs(defs: DefinitionStore) -> None:
+    before = set(await defs.namespaces())  # a shared Redis may hold other tests' namespaces
+    await defs.put("ns-a", "x", 1, doc("x", 1))
+    await defs.put("ns-a.sessions", "s-1", 1, doc("s-1", 1))
+    await defs.put("ns-b", "y", 3, doc("y", 3))
+    got = await defs.namespaces()
+    assert got == sorted(got) and set(got) - before == {"ns-a", "ns-a.sessions", "ns-b"}
+
+
 @pytest.mark.parametrize("bad", ["../etc", "a/b", "", ".x", "a b", "x" * 200, "{ns}"])
 async def test_rejects_unsafe_names(defs: DefinitionStore, bad: str) -> None:
     with pytest.raises(ValueError):

@@ -1,0 +1,173 @@
+"""Saved sessions: the Session record, and its copy in the stores (KV in the block store, the document in the
+definition store) so another replica, or this one after a restart, can resume it. Saved copies with no turn
+for longer than SKILLCACHE_SESSION_STORE_TTL_S are deleted by a background sweep on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from service import metrics
+from service.errors import SessionNotFound
+from service.kv.block import LAYOUT_VERSION
+from service.store.key import BlockKey
+
+log = logging.getLogger(__name__)
+_SUFFIX = ".sessions"  # session documents live beside skill definitions, in their own namespace
+
+
+@dataclass
+class Session:
+    id: str
+    namespace: str
+    skills: list[dict]  # [{"name", "version", "content_hash"}]
+    system: str | None
+    fields: dict[str, str]  # current values
+    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns so far
+    base_errata: list[str] = field(default_factory=list)  # field values given at creation
+    skill_ids: list[list[int]] = field(default_factory=list)  # each skill block's ids, as composed
+    ids: list[int] = field(default_factory=list)  # tokens held by `cache`
+    cache: Any = None  # DynamicCache, owned by this session; None until loaded
+    created_at: float = field(default_factory=time.time)
+    saved_at: float | None = None  # wall clock of the last save (creation or turn): the store's expiry clock
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
+    save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves in order, the newest wins
+    saves: int = 0
+
+    def doc(self) -> dict:
+        keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids", "ids",
+                "created_at", "saved_at")
+        return {k: getattr(self, k) for k in keep}
+
+    def public(self) -> dict:
+        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
+                "n_tokens": len(self.ids), "turns": sum(m["role"] == "user" for m in self.messages),
+                "created_at": self.created_at}
+
+
+def valid_id(sid: str) -> bool:
+    return sid.startswith("s-") and len(sid) == 26 and all(c in "0123456789abcdef" for c in sid[2:])
+
+
+class SavedSessions:
+    """Save, load, delete and expire the stored copies. `live` is the manager's map of sessions in memory."""
+
+    def __init__(self, pipeline, live: OrderedDict[str, Session]) -> None:
+        st = pipeline.settings
+        self.p, self.live = pipeline, live
+        self.enabled, self.ttl_s = st.session_persist, st.session_store_ttl_s
+        self._bg: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    @property
+    def _defs(self):
+        return self.p.registry.definitions
+
+    def _key(self, s: Session) -> BlockKey:
+        return BlockKey(self.p.rt.fingerprint, LAYOUT_VERSION, s.namespace, s.id)
+
+    def expired(self, doc: dict, now: float) -> bool:
+        saved = doc.get("saved_at") or doc.get("created_at") or 0.0
+        return self.ttl_s > 0 and now - saved > self.ttl_s
+
+    # ---- save, load, delete --------------------------------------------------------------------
+    def save_later(self, s: Session) -> None:
+        """Save the session's current state in the background (best effort; the newest state wins)."""
+        if not self.enabled:
+            return
+        from service.kv.block import KVBlock
+
+        s.saved_at = time.time()
+        doc = s.doc()
+        layers = [(layer.keys, layer.values) for layer in s.cache.layers]  # [1, H_kv, T, D], T == len(ids)
+        block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.p.rt.fingerprint)
+        s.saves += 1
+        generation = s.saves
+
+        async def save() -> None:
+            async with s.save_lock:
+                if generation < s.saves:
+                    return  # a newer state is queued behind us
+                try:
+                    await self.p.store.put(self._key(s), block)
+                    await self._defs.put(s.namespace + _SUFFIX, s.id, 1, doc)  # the document last
+                except Exception as e:  # persistence is best effort: the live session keeps working
+                    log.warning("session %s not persisted: %s", s.id, e)
+
+        task = asyncio.create_task(save())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def drain(self) -> None:
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def load(self, ns: str, sid: str) -> Session:
+        """A session this process does not hold: its document and KV from the store."""
+        from service.kv.cache import cache_from_block
+
+        doc = await self._defs.get(ns + _SUFFIX, sid) if valid_id(sid) else None
+        if doc is None:
+            raise SessionNotFound(f"session {sid!r} not found (it may have expired)")
+        s = Session(**doc)
+        if self.expired(doc, time.time()):
+            await self.delete(s)
+            raise SessionNotFound(f"session {sid!r} expired: no turn for over {self.ttl_s:g} s "
+                                  "(SKILLCACHE_SESSION_STORE_TTL_S); start a new one")
+        block, _ = await self.p.store.get(self._key(s))
+        if block is None or block.token_ids != s.ids:
+            raise SessionNotFound(f"session {sid!r} lost its cache (expired from the store); start a new one")
+        s.cache = cache_from_block(self.p.rt.model.config, block)
+        return s
+
+    async def delete(self, s: Session) -> None:
+        """The document first (a resume then finds nothing), then the KV."""
+        await self._defs.delete(s.namespace + _SUFFIX, s.id)
+        await self.p.store.delete(self._key(s))
+
+    # ---- expiry ----------------------------------------------------------------------------------
+    async def sweep(self, now: float | None = None) -> int:
+        """Delete the saved sessions with no turn for longer than the TTL, in every namespace; returns how
+        many. Safe on every replica at once: a session in use is saved on every turn, so it is never stale."""
+        if not self.enabled or self.ttl_s <= 0:
+            return 0
+        now = time.time() if now is None else now
+        n = 0
+        for doc_ns in await self._defs.namespaces():
+            if not doc_ns.endswith(_SUFFIX):
+                continue
+            for doc in await self._defs.list(doc_ns):
+                live = self.live.get(doc["id"])
+                if live is not None and (live.lock.locked() or not self.expired(live.doc(), now)):
+                    continue  # in use here, or saved since this listing was read
+                if self.expired(doc, now):
+                    self.live.pop(doc["id"], None)
+                    await self.delete(Session(**doc))
+                    n += 1
+        if n:
+            metrics.SESSIONS_EXPIRED.inc(n)
+            log.info("deleted %d saved sessions with no turn for over %g s", n, self.ttl_s)
+        return n
+
+    def start_sweeper(self) -> None:
+        if self.enabled and self.ttl_s > 0:
+            self._sweeper = asyncio.create_task(self._sweep_forever(min(max(self.ttl_s / 10, 1.0), 600.0)))
+
+    def stop_sweeper(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    async def _sweep_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except Exception as e:  # a store outage: try again next time
+                log.warning("session sweep failed: %s", e)
