@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     redis_ttl_s: int | None = None
     redis_chunk_bytes: int = 32 * 1024 * 1024
     memory_cache_bytes: int = 2 * 1024**3
+    disk_cache_bytes: int = Field(0, ge=0, description="cap on the disk tier's block files, least recently "
+                                  "used evicted first (compiled again on next use); 0: no cap")
     compile_lock_timeout_s: float = 60.0
     kv_compression: Literal["none", "int8"] = Field(
         "none", description="stored K/V in the disk and Redis tiers: as computed, or int8 with per-channel "

@@ -30,6 +30,8 @@ STORE_CORRUPT = Counter(
 STORE_ERRORS = Counter("skillcache_store_errors_total", "Backend errors (I/O, connection)", ["tier"])
 STORE_UP = Gauge("skillcache_store_up", "1 when a backend is reachable", ["tier"])
 MEMORY_BYTES = Gauge("skillcache_memory_tier_bytes", "Bytes held by the memory tier")
+STORE_EVICTIONS = Counter("skillcache_store_evictions_total", "Blocks evicted to stay within a tier's size cap",
+                          ["tier"])
 
 # fidelity: calibration and shadow verification
 CALIBRATIONS = Counter("skillcache_calibrations_total", "Seam calibrations run", ["result"])

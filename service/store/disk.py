@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 
 from service.kv.block import KVBlock
+from service.metrics import STORE_EVICTIONS
 from service.store.base import BlockStore
 from service.store.errors import CorruptBlock, StoreUnavailable
 from service.store.fsutil import atomic_write, sweep_temp, write_error
@@ -24,13 +26,22 @@ class DiskBlockStore(BlockStore):
 
     The layout version is not part of the path: a block of an older layout is detected on read
     (CorruptBlock "layout"), dropped and rewritten by the caller.
+
+    `max_bytes` > 0 caps the block files: a put that takes the total over it deletes the least recently
+    used files (a read refreshes a file's mtime) down to 90% of the cap, never the file just written. The
+    total is counted per process and recounted from the directory at each eviction, so replicas sharing a
+    directory stay near the cap. Blocks are derived data: an evicted one is compiled (or read from Redis)
+    again on its next use.
     """
 
     name = "disk"
 
     def __init__(self, root: Path | str, *, sweep_temp_age_s: float | None = 3600.0,
-                 compression: str = "none") -> None:
+                 compression: str = "none", max_bytes: int = 0) -> None:
         self.root = Path(root)
+        self.max_bytes = max_bytes
+        self._total: int | None = None  # bytes of block files, counted on the first capped put
+        self._size_lock = threading.Lock()
         self.compression = compression  # "none" | "int8" (serde.encode_block); reads follow the payload
         self.last_error: str | None = None
         if sweep_temp_age_s is not None and self.root.is_dir():
@@ -57,11 +68,17 @@ class DiskBlockStore(BlockStore):
             return None
         data, inode = got
         try:
-            return decode_block(data, key)
+            block = decode_block(data, key)
         except CorruptBlock as e:
             self._corrupt(key, e)
             self._unlink_if_same(path, inode)
             return None
+        if self.max_bytes:
+            try:
+                os.utime(path)  # recently used: the last to be evicted
+            except OSError:
+                pass  # a read-only volume or a concurrent delete: the read still stands
+        return block
 
     def _unlink_if_same(self, path: Path, inode: int) -> None:
         """Delete `path` unless a concurrent put already replaced it with a new file."""
@@ -73,14 +90,66 @@ class DiskBlockStore(BlockStore):
 
     def _store(self, key: BlockKey, block: KVBlock) -> None:
         data = encode_block(key, block, self.compression)
+        path = self.path_for(key)
+        replaced = _size(path) if self.max_bytes else 0
         try:
-            atomic_write(self.path_for(key), data)
+            atomic_write(path, data)
         except OSError as e:
             raise write_error(e, self.root, "disk store") from e
+        if self.max_bytes:
+            with self._size_lock:
+                if self._total is None:
+                    self._total = sum(size for _, size, _ in self._files())
+                else:
+                    self._total += len(data) - replaced
+                if self._total > self.max_bytes:
+                    self._evict(keep=path)
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every block file (temp and hidden files excluded)."""
+        out = []
+        for dirpath, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for f in files:
+                if f.endswith(SUFFIX) and not f.startswith("."):
+                    p = Path(dirpath) / f
+                    try:
+                        st = p.stat()
+                    except OSError:
+                        continue  # deleted meanwhile
+                    out.append((st.st_mtime, st.st_size, p))
+        return out
+
+    def _evict(self, keep: Path) -> None:
+        """Delete the least recently used block files until the total is under 90% of the cap."""
+        files = sorted(self._files())
+        total = sum(size for _, size, _ in files)
+        evicted = 0
+        for _, size, p in files:
+            if total <= self.max_bytes * 0.9:
+                break
+            if p == keep:
+                continue
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass  # another replica evicted it first
+            except OSError as e:
+                log.warning("disk store: could not evict %s: %s", p, e)
+                continue
+            total -= size
+            evicted += 1
+        self._total = total
+        STORE_EVICTIONS.labels(tier=self.name).inc(evicted)
+        log.info("disk store: evicted %d blocks to stay under %d bytes (now %d)", evicted, self.max_bytes, total)
 
     def _unlink(self, path: Path) -> bool:
+        size = _size(path) if self.max_bytes else 0
         try:
             os.unlink(path)
+            with self._size_lock:
+                if self._total is not None:
+                    self._total -= size
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False
@@ -127,3 +196,10 @@ class DiskBlockStore(BlockStore):
             self.last_error = None if writable else f"disk store root {self.root} is not writable"
             return True
         return await asyncio.to_thread(probe)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -30,7 +30,8 @@ def build_store(settings: Settings, *, redis_connect_timeout_s: float = 2.0, red
     if settings.store == "memory":
         definitions = MemoryDefinitionStore()
     else:
-        tiers.append(DiskBlockStore(settings.store_dir / "blocks", compression=settings.kv_compression))
+        tiers.append(DiskBlockStore(settings.store_dir / "blocks", compression=settings.kv_compression,
+                                   max_bytes=settings.disk_cache_bytes))
         if settings.store == "redis":
             tiers.append(RedisBlockStore(
                 settings.redis_url, chunk_bytes=settings.redis_chunk_bytes, ttl_s=settings.redis_ttl_s,

@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict
 
 from service.kv.block import KVBlock
-from service.metrics import MEMORY_BYTES
+from service.metrics import MEMORY_BYTES, STORE_EVICTIONS
 from service.store.base import BlockStore
 from service.store.key import BlockKey
 
@@ -63,6 +63,7 @@ class MemoryBlockStore(BlockStore):
             while self._items and self._bytes + size > self.capacity_bytes:
                 old_key = next(iter(self._items))
                 self._remove(old_key)
+                STORE_EVICTIONS.labels(tier=self.name).inc()
                 log.debug("memory store: evicted %s", old_key.to_str())
             self._items[key] = block
             self._bytes += size

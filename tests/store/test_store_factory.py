@@ -28,6 +28,10 @@ async def test_disk_store_default(tmp_path: Path, make_key) -> None:
     assert (tmp_path / "store" / "blocks" / "fp-test" / "ns" / "h0.safetensors").is_file()
     assert (tmp_path / "store" / "skills" / "ns" / "pirate" / "1.json").is_file()
     await store.close()
+    assert store.tiers[1].max_bytes == 0  # no cap unless asked
+    capped, _ = build_store(Settings(home=tmp_path, disk_cache_bytes=10 << 30))
+    assert capped.tiers[1].max_bytes == 10 << 30
+    await capped.close()
 
 
 @pytest.mark.redis

@@ -15,6 +15,7 @@ import torch
 from service.store.disk import DiskBlockStore
 from service.store.errors import StoreWriteError
 from service.store.memory import MemoryBlockStore
+from service.store.serde import encode_block
 from tests.store.store_helpers import assert_same_block, metric, synthetic_block
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -90,6 +91,33 @@ async def test_disk_temp_files_ignored_and_swept(tmp_path: Path, make_key) -> No
     os.utime(leftover, (0, 0))
     DiskBlockStore(tmp_path)  # startup sweeps temp files older than an hour
     assert not leftover.exists() and store.path_for(make_key()).exists()
+
+
+async def test_disk_cap_evicts_least_recently_used(tmp_path: Path, make_key) -> None:
+    import time
+
+    size = len(encode_block(make_key(), synthetic_block(), "none"))
+    store = DiskBlockStore(tmp_path, max_bytes=int(size * 2.5))  # room for two blocks
+    before = metric("skillcache_store_evictions_total", tier="disk")
+    for h in ("h0", "h1"):
+        await store.put(make_key(h), synthetic_block())
+        time.sleep(0.05)  # distinct mtimes even on coarse-timestamp filesystems
+    assert await store.get(make_key("h0")) is not None  # h0 is now the most recently used
+    time.sleep(0.05)
+    await store.put(make_key("h2"), synthetic_block())  # over the cap: h1 goes, down to 90% of it
+    assert [await store.contains(make_key(h)) for h in ("h0", "h1", "h2")] == [True, False, True]
+    assert metric("skillcache_store_evictions_total", tier="disk") == before + 1
+    await store.delete(make_key("h0"))
+    await store.put(make_key("h3"), synthetic_block())  # the delete freed room: nothing evicted
+    assert [await store.contains(make_key(h)) for h in ("h2", "h3")] == [True, True]
+    # a new process over the same directory counts what is already there before its first put
+    again = DiskBlockStore(tmp_path, max_bytes=int(size * 2.5))
+    await again.put(make_key("h4"), synthetic_block())
+    assert [await again.contains(make_key(h)) for h in ("h2", "h3", "h4")] == [False, True, True]
+    # a block larger than the cap is still written (the tier may be the only copy); the others go
+    tiny = DiskBlockStore(tmp_path, max_bytes=size // 2)
+    await tiny.put(make_key("h5"), synthetic_block())
+    assert sorted(p.name for p in tmp_path.rglob("*.safetensors")) == ["h5.safetensors"]
 
 
 async def test_disk_delete_namespace_hash_all_fingerprints(tmp_path: Path, make_key) -> None:
