@@ -21,6 +21,9 @@ shortest length).
      exactly and would measure nothing), at seams 0, --default-seam and 32
   d  the no-re-rotation control on part a's cases (--control-seams): blocks are copied at their
      canonical positions 0..N-1 (the rotator's move patched to the identity), seams still recomputed
+  e  part a's cases as the service serves a repeated skill sequence (SKILLCACHE_REFINE_AFTER,
+     service/refine.py): the prompt through the last skill prefilled in 512-token chunks (as the idle
+     worker does) and copied as an exact prefix, at --default-seam
 
 --kv-compression int8 composes from blocks round-tripped through int8 storage (service/kv/quant.py);
 the reference stays the exact full prefill. The full reference and its greedy continuation are
@@ -166,12 +169,12 @@ class Case:
         self.ref = greedy_ids(rt, full, n_greedy_ref) if n_greedy_ref else []
         del full
 
-    def run(self, seam: int, n_greedy: int, lengths: list[int], rotate: bool = True) -> dict:
+    def run(self, seam: int, n_greedy: int, lengths: list[int], rotate: bool = True, prefix=None) -> dict:
         rt = self.rt
         ctx = contextlib.nullcontext() if rotate else no_rerotation(rt)
         with ctx:
             t0 = time.perf_counter()
-            comp = rt.prefill(self.plan, self.blocks, mode="compose", seam_tokens=seam)
+            comp = rt.prefill(self.plan, self.blocks, mode="compose", seam_tokens=seam, prefix=prefix)
             ms = (time.perf_counter() - t0) * 1e3
             row = {"part": self.part, "case": self.name, **self.info, "seam": seam, "rerotate": rotate,
                    "n_prompt": comp.n_prompt, "n_reused": comp.n_reused, "compose_ms": round(ms, 1),
@@ -229,12 +232,12 @@ def run_parts(rt, args, compress) -> list[dict]:
         rows.append(r)
         print(fmt_row(r), flush=True)
 
-    if "a" in args.parts or "d" in args.parts:
+    if {"a", "d", "e"} & set(args.parts):
         comps = [COMPOSITIONS[i] for i in args.cases] if args.cases else COMPOSITIONS
         for names, si, topic in comps:
             case = build_case(rt, "a", "+".join(names), [skills[n] for n in names], SYSTEMS[si], QUESTIONS[topic],
                               {"skills": names, "system": si, "n_skills": len(names)},
-                              gmax if "a" in args.parts else gmin, compress)
+                              gmax if {"a", "e"} & set(args.parts) else gmin, compress)
             if "a" in args.parts:
                 for k in args.seams:
                     emit(case.run(k, gmax if k == args.default_seam else gmin, args.greedy))
@@ -243,6 +246,10 @@ def run_parts(rt, args, compress) -> list[dict]:
                     r = case.run(k, gmin if k == args.default_seam else 0, args.greedy, rotate=False)
                     r["part"] = "d"
                     emit(r)
+            if "e" in args.parts:
+                r = case.run(args.default_seam, gmax, args.greedy, prefix=refined_prefix(rt, case.plan))
+                r["part"] = "e"
+                emit(r)
     if "b" in args.parts:
         for n in range(1, args.max_skills + 1):
             for j, names in enumerate(n_skill_orders(n, args.per_n)):
@@ -263,6 +270,19 @@ def run_parts(rt, args, compress) -> list[dict]:
                 for k in sorted({0, args.default_seam, 32}):
                     emit(case.run(k, gmin if k == args.default_seam else 0, args.greedy))
     return rows
+
+
+def refined_prefix(rt, plan):
+    """What the service's idle worker builds for a repeated sequence of two or more skills (None for one)."""
+    ends = plan.skill_ends()
+    if len(ends) < 2:
+        return None  # one skill is exact already: the service does not refine it
+    steps, result = rt.exact_prefix_steps(plan.ids[:ends[-1]], 512), None
+    try:
+        while True:
+            result = steps.send(result)()
+    except StopIteration as done:
+        return done.value
 
 
 # ---- summaries ------------------------------------------------------------------------------
@@ -309,12 +329,13 @@ def print_table(title: str, label: str, summary: list[dict], lengths: list[int])
 
 
 def summaries(rows: list[dict], lengths: list[int], tie_margin: float) -> dict:
-    by_part = {p: [r for r in rows if r["part"] == p] for p in "abcd"}
+    by_part = {p: [r for r in rows if r["part"] == p] for p in "abcde"}
     return {
         "a_by_seam": summarize(by_part["a"], lambda r: r["seam"], lengths, tie_margin),
         "b_by_n_skills": summarize(by_part["b"], lambda r: (r["n_skills"], r["seam"]), lengths, tie_margin),
         "c_by_length": summarize(by_part["c"], lambda r: (r["length"], r["seam"]), lengths, tie_margin),
         "d_no_rerotation_by_seam": summarize(by_part["d"], lambda r: r["seam"], lengths, tie_margin),
+        "e_refined_by_n_skills": summarize(by_part["e"], lambda r: r["n_skills"], lengths, tie_margin),
         # the control's reference point: the same part-a cases with re-rotation, at the control's seams
         "d_rerotated_by_seam": summarize([r for r in by_part["a"] if r["seam"] in {x["seam"] for x in by_part["d"]}],
                                          lambda r: r["seam"], lengths, tie_margin),
@@ -330,6 +351,7 @@ def print_summaries(s: dict, lengths: list[int]) -> None:
     print_table("(c) by skill length", "(L, seam)", s["c_by_length"], lengths)
     print_table("(d) control: NO re-rotation (part-a cases)", "seam", s["d_no_rerotation_by_seam"], lengths)
     print_table("(d) same cases WITH re-rotation", "seam", s["d_rerotated_by_seam"], lengths)
+    print_table("(e) part-a cases, repeated: refined exact prefix", "n skills", s["e_refined_by_n_skills"], lengths)
 
 
 # ---- plot -----------------------------------------------------------------------------------
@@ -412,7 +434,7 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"], choices=["a", "b", "c", "d"])
+    ap.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"])
     ap.add_argument("--seams", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32], help="part a")
     ap.add_argument("--default-seam", type=int, default=4, help="the service default: longest greedy here")
     ap.add_argument("--greedy", type=int, nargs="+", default=[32, 64], help="greedy match lengths")

@@ -48,7 +48,7 @@ class FidelityGuard:
 
     def schedule_calibration(self, key, block) -> None:
         if self.s.seam_auto and calibration_of(block) is None:
-            self._spawn(self._calibrate(key, block))
+            self.spawn(self._calibrate(key, block))
 
     async def _calibrate(self, key, block) -> None:
         from service.runtime.calibrate import calibration_steps
@@ -59,7 +59,7 @@ class FidelityGuard:
         try:
             while True:  # one prefill per idle slot: a live request waits behind one step at most
                 step = steps.send(result)
-                result = await self._when_idle(lambda cancelled, step=step: step())
+                result = await self.when_idle(lambda cancelled, step=step: step())
         except StopIteration as done:
             cal = done.value
         block.meta["calibration"] = json.dumps(cal.to_dict())
@@ -72,7 +72,7 @@ class FidelityGuard:
     def maybe_shadow(self, keys: list[str], plan, blocks, seams) -> bool:
         if self.s.shadow_sample_rate <= 0 or random.random() >= self.s.shadow_sample_rate:
             return False
-        self._spawn(self._shadow(keys, plan, blocks, seams))
+        self.spawn(self._shadow(keys, plan, blocks, seams))
         return True
 
     async def _shadow(self, keys, plan, blocks, seams) -> None:
@@ -83,8 +83,8 @@ class FidelityGuard:
             return self.rt.prefill(plan, blocks, mode="compose", seam_tokens=seams).logits
 
         # two prefills, each in its own idle slot: a live request waits behind one of them at most
-        comp = await self._when_idle(composed)
-        full = await self._when_idle(lambda cancelled: self.rt.prefill(plan, blocks, mode="full").logits)
+        comp = await self.when_idle(composed)
+        full = await self.when_idle(lambda cancelled: self.rt.prefill(plan, blocks, mode="full").logits)
         fid = logit_agreement(comp, full, self.s.fidelity_tie_margin)
         ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
         del self.shadow_started[:-100]
@@ -111,20 +111,23 @@ class FidelityGuard:
                 "degraded": key in self.degraded}
 
     # ---- background plumbing -----------------------------------------------------------------
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> bool:
+        """Run `coro` in the background (False: the backlog is full and it was dropped, unrun)."""
         if len(self._bg) >= _MAX_BACKLOG:
             coro.close()
-            return
+            return False
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._done)
+        return True
 
     def _done(self, task: asyncio.Task) -> None:
         self._bg.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background fidelity job failed: %s", task.exception())
 
-    async def _when_idle(self, fn):
+    async def when_idle(self, fn):
+        """Run fn(cancelled) on the worker once it is idle; one background job at a time."""
         async with self._idle:
             while self.worker.busy or self.worker.queue.qsize() > 0:
                 await asyncio.sleep(0.05)

@@ -39,6 +39,8 @@ SHADOW_CHECKS = Counter("skillcache_shadow_checks_total", "Compose requests re-r
                         ["result"])
 SHADOW_COSINE = Histogram("skillcache_shadow_cosine", "First-token logit cosine, compose vs full (shadow)",
                           buckets=(0.9, 0.99, 0.995, 0.999, 0.9995, 0.9999, 1.0))
+REFINED_PREFIXES = Counter("skillcache_refined_prefixes_total",
+                           "Repeated skill sequences prefilled in full when idle, kept as exact prefixes")
 DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")
 
 # sessions

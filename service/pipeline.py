@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.config import Settings
 from service.edits import check_fields, plan_edit
-from service.guard import FidelityGuard
 from service.errors import InvalidRequest, LimitExceeded
+from service.guard import FidelityGuard
+from service.refine import PrefixRefiner
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
@@ -59,6 +60,7 @@ class Prepared:
     seams: list[int]  # per skill
     paths: list[str]  # per skill: "compose" or "full" (degraded after a failed shadow check)
     mode: str  # what actually runs: "compose" or "full"
+    prefix: object = None  # KVBlock: an exact prefix of the plan (refined skill sequence), or None
 
 
 @dataclass
@@ -81,6 +83,7 @@ class ComposePipeline:
         self.store = store
         self.worker = worker
         self.guard = FidelityGuard(settings, runtime, worker, store)
+        self.refiner = PrefixRefiner(settings.refine_after, settings.refine_chunk_tokens, runtime, store, self.guard)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from.
@@ -139,9 +142,11 @@ class ComposePipeline:
                 seg.recompute = list(edits[seg.skill_index].recompute)
         mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
         self.rt.check_length(plan.n_tokens, p.gen.max_tokens, mode)
+        prefix = await self.refiner.lookup(p.namespace, plan) if mode == "compose" else None
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
         return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
-                        [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode)
+                        [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode,
+                        prefix)
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
         """Submit to the worker and wait for the first event; returns the event stream."""
@@ -152,7 +157,8 @@ class ComposePipeline:
         from service.runtime.decode import generate  # torch: loaded with the runtime, not the API
 
         def work(cancelled):
-            pre: PrefillResult = self.rt.prefill(prep.plan, prep.blocks, mode=mode, seam_tokens=seam)
+            pre: PrefillResult = self.rt.prefill(prep.plan, prep.blocks, mode=mode, seam_tokens=seam,
+                                                 prefix=prep.prefix)
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
             box["pre"] = pre
             yield from generate(self.rt, pre, p.gen, cancelled)
@@ -169,6 +175,7 @@ class ComposePipeline:
                 yield self._final(prep, item, box, mode)
                 if mode == "compose":  # after the response: never on the sampled request's clock
                     self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
+                    self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
                 return
             yield item
             item = await anext(stream)
@@ -180,19 +187,24 @@ class ComposePipeline:
         metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
         metrics.STAGE.labels("decode").observe((total_ms - box["ttft_ms"]) / 1e3)
         metrics.TOKENS.labels("composed").inc(pre.n_reused)
+        metrics.TOKENS.labels("prefix").inc(pre.n_prefix)
         metrics.TOKENS.labels("recomputed").inc(pre.n_recomputed)
         usage = {
-            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused, "composed_tokens": pre.n_reused,
-            "prefix_tokens": 0, "recomputed_tokens": pre.n_recomputed, "completion_tokens": len(done.token_ids),
+            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
+            "composed_tokens": pre.n_reused, "prefix_tokens": pre.n_prefix, "recomputed_tokens": pre.n_recomputed,
+            "completion_tokens": len(done.token_ids),
         }
         timings = {
             "ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
             "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
         }
+        segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
+        in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
         skills = [
             {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s,
-             "path": mode if path == "compose" else path, "seam": seam if mode == "compose" else None}
-            for r, s, path, seam in zip(prep.records, prep.sources, prep.paths, prep.seams)
+             "path": "prefix" if i in in_prefix else mode if path == "compose" else path,
+             "seam": seam if mode == "compose" and i not in in_prefix else None}
+            for i, (r, s, path, seam) in enumerate(zip(prep.records, prep.sources, prep.paths, prep.seams))
         ]
         return Final(done, usage, timings, skills, prep.edits)
 

@@ -58,11 +58,15 @@ class SessionManager:
                  for r, b in zip(records, blocks)]  # calibrated seams; a degraded skill runs in full
         mode = "full" if any(path == "full" for _, path in picks) else mode
         seam = [k or 0 for k, _ in picks]
-        pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam))
+        prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
+        pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam,
+                                                                prefix=prefix))
+        if mode == "compose":
+            self.p.refiner.note(ns, plan, pre.n_prefix)
         s.cache, s.ids = pre.cache, plan.ids
         self._admit(s)
         self.saved.save_later(s)
-        return s, {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused,
+        return s, {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
                    "recomputed_tokens": pre.n_recomputed}
 
     async def get(self, ns: str, sid: str) -> Session:

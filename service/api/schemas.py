@@ -93,7 +93,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     reused_tokens: int  # composed_tokens + prefix_tokens
     composed_tokens: int  # copied from precompiled blocks (re-rotated)
-    prefix_tokens: int  # an exact cached prefix (sessions)
+    prefix_tokens: int  # an exact cached prefix (sessions, refined skill sequences)
     recomputed_tokens: int
     completion_tokens: int
 
@@ -110,7 +110,7 @@ class SkillUse(BaseModel):
     version: int
     content_hash: str
     source: Literal["memory", "disk", "redis", "compiled"]
-    path: Literal["compose", "full"]
+    path: Literal["compose", "full", "prefix"]  # prefix: inside a refined skill sequence, copied exact
     seam: int | None = None
 
 

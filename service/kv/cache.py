@@ -38,9 +38,16 @@ def append_block(cache: DynamicCache, block: KVBlock, start: int, end: int, offs
     keys = [k[:, :, start:end] for k in block.keys]  # L x [1, H_kv, end - start, D]
     values = [v[:, :, start:end] for v in block.values]  # L x [1, H_kv, end - start, D_v]
     keys, values = rotator.move_layers(keys, values, offset - block.base)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k.contiguous(), v.contiguous(), layer)
+    append_kv(cache, keys, values)
     return end - start
+
+
+def append_kv(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Append per-layer K/V (L x [1, H_kv, T, D]) to the cache. DynamicLayer.update concatenates (torch.cat
+    allocates), so the cache never aliases the given tensors: no clone or contiguous copy is needed first,
+    and one would double the copy (most of a moved 8k block's copy time)."""
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
 
 
 def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprint: str, base: int = 0) -> KVBlock:
@@ -67,8 +74,7 @@ def truncate(cache: DynamicCache, n_tokens: int) -> None:
 def cache_from_block(config, block: KVBlock) -> DynamicCache:
     """A fresh cache holding a block's tensors as they are (no re-rotation; a base-0 block: positions 0..N-1)."""
     cache = new_cache(config)
-    for layer, (k, v) in enumerate(zip(block.keys, block.values)):
-        cache.update(k.clone(), v.clone(), layer)
+    append_kv(cache, block.keys, block.values)
     return cache
 
 

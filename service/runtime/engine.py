@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,11 +12,11 @@ from transformers import DynamicCache
 
 from service.errors import ContextTooLong, InvalidRequest
 from service.kv.block import KVBlock
-from service.kv.cache import append_block, block_from_cache, new_cache
+from service.kv.cache import append_block, append_kv, block_from_cache, new_cache
 from service.kv.rope import KeyRotator
 from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
-from service.runtime.prompt import PromptBuilder, PromptPlan
+from service.runtime.prompt import PromptBuilder, PromptPlan, Segment
 
 Mode = Literal["compose", "full"]
 
@@ -28,6 +29,7 @@ class PrefillResult:
     n_reused: int  # block tokens copied (re-rotated) instead of recomputed
     n_recomputed: int  # tokens run through the model
     timings_ms: dict[str, float] = field(default_factory=dict)
+    n_prefix: int = 0  # tokens copied from an exact prefix (a refined skill sequence), not composed
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -98,8 +100,34 @@ class ModelRuntime:
             tmp = new_cache(self.model.config)
             self.forward(self.anchor, 0, tmp)
             self._anchor_kv = [(layer.keys, layer.values) for layer in tmp.layers]
-        for layer, (k, v) in enumerate(self._anchor_kv):
-            cache.update(k.clone(), v.clone(), layer)
+        append_kv(cache, [k for k, _ in self._anchor_kv], [v for _, v in self._anchor_kv])
+
+    def exact_prefix_steps(self, ids: list[int], chunk: int = 512) -> Generator[Callable[[], object], object, KVBlock]:
+        """The full prefill of `ids` at 0..N-1 as steps of at most `chunk` tokens -> a base-0 block. Yields
+        closures and receives their results (as calibration_steps): a caller that runs each step when the worker
+        is idle delays a live request by one chunk at most. Chunking changes the K/V at float-rounding level."""
+        cache = new_cache(self.model.config)
+        for lo in range(0, len(ids), chunk):
+            yield lambda lo=lo: self.forward(ids[lo:lo + chunk], lo, cache)
+        block = yield lambda: block_from_cache(cache, ids, self.fingerprint, base=0)
+        return block  # type: ignore[return-value]
+
+    def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
+        """Copy an exact prefix (plan.ids[:N], N at a segment boundary) into the empty cache; return the
+        segments after it."""
+        n, pos = prefix.n_tokens, 0
+        if plan.ids[:n] != prefix.token_ids:
+            raise InvalidRequest("internal: the prefix's ids differ from the prompt's")
+        for i, seg in enumerate(plan.segments):
+            if pos == n:
+                break
+            pos += len(seg.ids)
+        else:
+            i = len(plan.segments)
+        if pos != n or i == len(plan.segments):
+            raise InvalidRequest("internal: a prefix must end at a segment boundary, before the prompt's end")
+        append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
+        return plan.segments[i:]
 
     def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
         """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
@@ -123,7 +151,8 @@ class ModelRuntime:
 
     @torch.inference_mode()
     def prefill(
-        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4
+        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
+        prefix: KVBlock | None = None,
     ) -> PrefillResult:
         """Build the request's cache for `plan` and return the next-token logits.
 
@@ -132,6 +161,8 @@ class ModelRuntime:
         canonical copy. full: the token-identical full recompute of plan.ids.
         A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
         already exactly what a full prefill computes, and the anchor's own K/V is cached.
+        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/refine.py),
+        copied as is; composition starts after it.
         """
         t0 = time.perf_counter()
         cache = new_cache(self.model.config)
@@ -140,10 +171,13 @@ class ModelRuntime:
             ms = (time.perf_counter() - t0) * 1e3
             return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
-        pos = n_reused = 0
+        pos = n_reused = n_prefix = 0
         t_rotate = t_text = 0.0
         segments, exact_first = plan.segments, None
-        if self._starts_at_anchor(plan, blocks):
+        if prefix is not None:
+            segments = self._skip_prefix(plan, prefix, cache)
+            pos = n_prefix = prefix.n_tokens
+        elif self._starts_at_anchor(plan, blocks):
             self._append_anchor(cache)
             pos, segments, exact_first = len(self.anchor), plan.segments[1:], plan.segments[1].skill_index
 
@@ -187,4 +221,5 @@ class ModelRuntime:
         total_ms = (time.perf_counter() - t0) * 1e3
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
-        return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused, timings)
+        return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
+                             n_prefix)

@@ -42,6 +42,16 @@ class PromptPlan:
     def n_tokens(self) -> int:
         return sum(len(s.ids) for s in self.segments)
 
+    def skill_ends(self) -> list[int]:
+        """Where each skill segment ends (the token after it), in segment order: plan.ids[:end] is the prompt
+        through that skill, the same for every request that opens with the same skills."""
+        out, pos = [], 0
+        for s in self.segments:
+            pos += len(s.ids)
+            if s.kind == "skill":
+                out.append(pos)
+        return out
+
     def skill_offsets(self) -> list[int]:
         """Position of the first token of each skill segment, in segment order."""
         out, pos = [], 0

@@ -33,7 +33,7 @@ KEYS = [
 
 # The fidelity guard's background work (seam calibration, shadow checks) is not what these tests test; it
 # would re-store blocks under them and compete for the worker, so the in-process apps turn it off.
-QUIET = {"seam_auto": False, "shadow_sample_rate": 0.0}
+QUIET = {"seam_auto": False, "shadow_sample_rate": 0.0, "refine_after": 0}  # no background model work
 
 
 def bearer(key: str) -> dict[str, str]:

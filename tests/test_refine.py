@@ -1,0 +1,124 @@
+"""Refined prefixes: a repeated skill sequence is prefilled in full when idle and then copied as an exact prefix."""
+
+import pytest
+import torch
+
+from appclient import make_client
+from service.errors import InvalidRequest
+from tests.store.store_helpers import metric
+from tiny import tiny_runtime
+
+SKILLS = ["Refunds are allowed within 30 days of delivery when the item is unused.",
+          "Tool specs: search(query), lookup(order_id), refund(order_id, amount).",
+          "Answer politely and briefly. Use the current value of every field."]
+MSGS = [{"role": "system", "content": "You are a support agent."}, {"role": "user", "content": "Can I get a refund?"}]
+
+
+def _setup(n_skills: int = 3):
+    rt = tiny_runtime("llama")
+    ids = [rt.prompts.encode_content(s) for s in SKILLS[:n_skills]]
+    return rt, ids, [rt.compile_block(i) for i in ids], rt.prompts.build(MSGS, ids)
+
+
+def _exact_prefix(rt, ids: list[int], chunk: int):
+    steps, result = rt.exact_prefix_steps(ids, chunk), None
+    try:
+        while True:
+            result = steps.send(result)()
+    except StopIteration as done:
+        return done.value
+
+
+def test_chunked_prefix_equals_full_prefill_and_composes_exactly():
+    rt, ids, blocks, plan = _setup()
+    ends = plan.skill_ends()
+    prefix = _exact_prefix(rt, plan.ids[:ends[1]], chunk=7)  # the anchor and the first two skills, 7 at a time
+    full = rt.prefill(plan, [], mode="full")
+    for c, f in zip(prefix.keys + prefix.values, [x.keys for x in full.cache.layers] + [x.values for x in
+                                                                                        full.cache.layers]):
+        torch.testing.assert_close(c, f[:, :, :ends[1]], atol=1e-5, rtol=1e-5)  # [1, H_kv, N, D]
+    # the third skill recomputed whole: then composition with the prefix is the full prefill
+    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=[0, 0, len(ids[2])], prefix=prefix)
+    torch.testing.assert_close(comp.logits, full.logits, atol=1e-4, rtol=1e-4)
+    assert (comp.n_prefix, comp.n_reused) == (ends[1], 0)
+    assert comp.n_recomputed == plan.n_tokens - ends[1]
+    # and with the third skill composed (seam 4) it still counts as composed, after the exact prefix
+    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=4, prefix=prefix)
+    assert comp.n_reused == len(ids[2]) - 4
+
+
+def test_prefix_improves_on_composition():
+    """Control: the same prompt composed without the prefix is further from the full prefill."""
+    rt, ids, blocks, plan = _setup(2)
+    full = rt.prefill(plan, [], mode="full").logits
+    prefix = _exact_prefix(rt, plan.ids[:plan.skill_ends()[1]], chunk=512)
+    with_prefix = rt.prefill(plan, blocks, mode="compose", seam_tokens=4, prefix=prefix).logits
+    composed = rt.prefill(plan, blocks, mode="compose", seam_tokens=4).logits
+    torch.testing.assert_close(with_prefix, full, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(composed, full, atol=1e-3)
+
+
+def test_prefix_must_match_and_end_at_a_segment_boundary():
+    rt, ids, blocks, plan = _setup(2)
+    end = plan.skill_ends()[1]
+    with pytest.raises(InvalidRequest):
+        rt.prefill(plan, blocks, prefix=_exact_prefix(rt, plan.ids[:end - 1], chunk=512))
+    other = list(plan.ids[:end])
+    other[-1] = (other[-1] + 1) % 400
+    with pytest.raises(InvalidRequest):
+        rt.prefill(plan, blocks, prefix=_exact_prefix(rt, other, chunk=512))
+
+
+def _compose(c, skills, **extra):
+    r = c.post("/v1/compose", json={"skills": skills, "user": "Can I get a refund?", "max_tokens": 3,
+                                    "logprobs": 5, "seam_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_service_refines_a_repeated_sequence(tmp_path):
+    with make_client(tmp_path, refine_after=2, refine_chunk_tokens=16) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        for name, text in zip("abc", SKILLS):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code == 201
+        guard = state.pipeline.guard
+        before = metric("skillcache_refined_prefixes_total")
+        first = _compose(c, ["a", "b"])
+        c.portal.call(guard.drain)
+        assert metric("skillcache_refined_prefixes_total") == before  # seen once: not yet
+        assert [s["path"] for s in _compose(c, ["a", "b"])["skills"]] == ["compose", "compose"]
+        c.portal.call(guard.drain)  # the second composition refined it when the worker was idle
+        assert metric("skillcache_refined_prefixes_total") == before + 1
+
+        refined = _compose(c, ["a", "b"])
+        full = _compose(c, ["a", "b"], mode="full")
+        assert [(s["path"], s["seam"]) for s in refined["skills"]] == [("prefix", None), ("prefix", None)]
+        u = refined["usage"]
+        assert u["composed_tokens"] == 0 and u["prefix_tokens"] > 0
+        rt = state.runtime  # the prefix is the prompt through skill b: the anchor, a, the separator, b
+        end = rt.prompts.build(MSGS, [rt.prompts.encode_content(t) for t in SKILLS[:2]]).skill_ends()[1]
+        assert u["reused_tokens"] == u["prefix_tokens"] == end > first["usage"]["reused_tokens"]
+        assert u["recomputed_tokens"] == u["prompt_tokens"] - u["prefix_tokens"]
+        for got, want in zip(refined["logprobs"], full["logprobs"]):
+            assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)  # exact, as the full prefill
+        assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(first["logprobs"], full["logprobs"]))
+
+        longer = _compose(c, ["a", "b", "c"])  # opens with the refined sequence: composes only `c`
+        assert [s["path"] for s in longer["skills"]] == ["prefix", "prefix", "compose"]
+        assert longer["usage"]["prefix_tokens"] == u["prefix_tokens"]
+        swapped = _compose(c, ["b", "a"])  # another order is another sequence
+        assert [s["path"] for s in swapped["skills"]] == ["compose", "compose"]
+        c.portal.call(guard.drain)
+        assert metric("skillcache_refined_prefixes_total") == before + 1
+
+
+def test_refinement_off(tmp_path):
+    with make_client(tmp_path, refine_after=0) as c:
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        for name, text in zip("ab", SKILLS):
+            c.post("/v1/skills", json={"name": name, "text": text})
+        for _ in range(3):
+            body = _compose(c, ["a", "b"])
+            c.portal.call(c.app.state.skillcache.pipeline.guard.drain)
+        assert body["usage"]["prefix_tokens"] == 0
