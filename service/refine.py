@@ -10,7 +10,9 @@ that sequence then copy it as an exact prefix (no rotation, no seams) and compos
 
 The key is the prompt's token ids through the last skill (the template's opening, the skill texts and the
 separators), the model fingerprint and the tenant namespace, so a refined prefix is never stale: an edited
-skill or field value is a different sequence.
+skill or field value is a different sequence. Requests that edit fields inside a block (`in_place`,
+`field+erratum`) are left alone: those modes define which tokens are recomputed, and an exact prefix would
+silently turn them into a full recompute.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ class PrefixRefiner:
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
         return BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"prefix-{digest}")
 
+    def _eligible(self, plan: "PromptPlan") -> bool:
+        return bool(self.after) and not any(seg.recompute for seg in plan.segments)
+
     async def lookup(self, namespace: str, plan: "PromptPlan") -> "KVBlock | None":
         """The longest refined prefix the plan opens with (two skills or more), or None."""
-        if not self.after:
+        if not self._eligible(plan):
             return None
         ids = plan.ids
         for end in reversed(plan.skill_ends()[1:]):  # one skill: already exact (compiled after the anchor)
@@ -60,7 +65,7 @@ class PrefixRefiner:
         """A composition of `plan` was served (`n_prefix` tokens of it from a refined prefix): count its skill
         sequence, and refine it in the background once it has been composed `after` times."""
         ends = plan.skill_ends()
-        if not self.after or len(ends) < 2 or n_prefix >= ends[-1]:
+        if not self._eligible(plan) or len(ends) < 2 or n_prefix >= ends[-1]:
             return
         ids = plan.ids[:ends[-1]]
         key = self.key(namespace, ids)

@@ -122,3 +122,23 @@ def test_refinement_off(tmp_path):
             body = _compose(c, ["a", "b"])
             c.portal.call(c.app.state.skillcache.pipeline.guard.drain)
         assert body["usage"]["prefix_tokens"] == 0
+
+
+def test_in_block_edits_are_not_refined(tmp_path):
+    """in_place and field+erratum define which tokens are recomputed; an exact prefix would silently make them
+    a full recompute. Erratum edits keep the skills' text, so they are refined like any other request."""
+    with make_client(tmp_path, refine_after=1) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "a", "text": "Order status: {{status}}. " + SKILLS[0],
+                                   "fields": {"status": "x"}})
+        c.post("/v1/skills", json={"name": "b", "text": SKILLS[1]})
+        for mode in ("in_place", "field+erratum"):
+            for _ in range(2):
+                body = _compose(c, ["a", "b"], fields={"status": "y"}, edit_mode=mode)
+                c.portal.call(state.pipeline.guard.drain)
+            assert body["usage"]["prefix_tokens"] == 0 and body["edits"][0]["mode"] == mode
+        for _ in range(2):
+            body = _compose(c, ["a", "b"], fields={"status": "y"}, edit_mode="erratum")
+            c.portal.call(state.pipeline.guard.drain)
+        assert body["usage"]["prefix_tokens"] > 0
