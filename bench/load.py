@@ -36,9 +36,10 @@ of every arm alike. Loopback only.
 
 Every request sends seam_tokens=--seam (4), so the composition is fixed. The service's fidelity guard
 runs full prefills on the same single worker in the background (a seam calibration after each block
-compile, shadow checks of 2% of compose requests); they stall whatever request arrives meanwhile. A
-service started here runs with it off (SKILLCACHE_SEAM_AUTO=false, SKILLCACHE_SHADOW_SAMPLE_RATE=0)
-unless --guard; against --url the script waits (--settle-s) for the used skills' calibrations and
+compile, shadow checks of 2% of compose requests), and so does prefix refinement (a repeated skill
+sequence prefilled in full, then served exact); they stall whatever request arrives meanwhile. A
+service started here runs with all of it off (SKILLCACHE_SEAM_AUTO=false, SKILLCACHE_SHADOW_SAMPLE_RATE=0,
+SKILLCACHE_REFINE_AFTER=0) unless --guard; against --url the script waits (--settle-s) for the used skills' calibrations and
 reports, per arm, how many guard jobs ran (column bg).
 On a shared CPU, run the service with --server-threads 1: oversubscribed OpenMP threads make the small
 forwards of compose and decode 10-30x slower.
@@ -113,6 +114,7 @@ def start_service(model: str | None, extra_env: list[str], threads: int, guard: 
     if not guard:  # no background fidelity work on the worker: every measured request is the arm's
         env["SKILLCACHE_SEAM_AUTO"] = "false"
         env["SKILLCACHE_SHADOW_SAMPLE_RATE"] = "0"
+        env["SKILLCACHE_REFINE_AFTER"] = "0"  # the order scenario measures composition, not refined prefixes
     for kv in extra_env:
         k, _, v = kv.partition("=")
         env[k] = v
@@ -479,8 +481,8 @@ def main() -> None:
                     help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
                          "oversubscribed OpenMP threads make composes and decode steps 10x slower")
     ap.add_argument("--guard", action="store_true",
-                    help="keep the started service's fidelity guard (seam calibration after each compile, 2%% "
-                         "shadow checks): background full prefills on the same worker. Default: off")
+                    help="keep the started service's background work (seam calibration after each compile, 2%% "
+                         "shadow checks, prefix refinement): full prefills on the same worker. Default: off")
     ap.add_argument("--seam", type=int, default=4,
                     help="seam_tokens sent with every request (-1: omit, the service's calibrated/default seam)")
     ap.add_argument("--settle-s", type=float, default=600,
