@@ -142,3 +142,25 @@ def test_in_block_edits_are_not_refined(tmp_path):
             body = _compose(c, ["a", "b"], fields={"status": "y"}, edit_mode="erratum")
             c.portal.call(state.pipeline.guard.drain)
         assert body["usage"]["prefix_tokens"] > 0
+
+
+def test_session_created_on_a_refined_sequence_is_exact(tmp_path):
+    with make_client(tmp_path, refine_after=1) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        for name, text in zip("ab", SKILLS):
+            c.post("/v1/skills", json={"name": name, "text": text})
+
+        def first_turn(**extra):
+            s = c.post("/v1/sessions", json={"skills": ["a", "b"], "seam_tokens": 2, **extra}).json()
+            c.portal.call(state.pipeline.guard.drain)
+            r = c.post(f"/v1/sessions/{s['id']}/turns", json={"user": "Refund?", "max_tokens": 1, "logprobs": 5})
+            return s["usage"], r.json()["logprobs"]
+
+        composed, lp_composed = first_turn()  # composes, then refines [a, b] (refine_after=1)
+        refined, lp_refined = first_turn()
+        _, lp_full = first_turn(mode="full")
+        assert refined["reused_tokens"] > composed["reused_tokens"]  # the separator and b's seam come exact too
+        for got, want in zip(lp_refined, lp_full):
+            assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+        assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(lp_composed, lp_full))
