@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -115,19 +116,14 @@ class ModelRuntime:
     def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
         """Copy an exact prefix (plan.ids[:N], N at a segment boundary) into the empty cache; return the
         segments after it."""
-        n, pos = prefix.n_tokens, 0
+        n = prefix.n_tokens
         if plan.ids[:n] != prefix.token_ids:
             raise InvalidRequest("internal: the prefix's ids differ from the prompt's")
-        for i, seg in enumerate(plan.segments):
-            if pos == n:
-                break
-            pos += len(seg.ids)
-        else:
-            i = len(plan.segments)
-        if pos != n or i == len(plan.segments):
+        ends = list(itertools.accumulate(len(seg.ids) for seg in plan.segments))
+        if n not in ends[:-1]:
             raise InvalidRequest("internal: a prefix must end at a segment boundary, before the prompt's end")
         append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
-        return plan.segments[i:]
+        return plan.segments[ends.index(n) + 1:]
 
     def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
         """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
