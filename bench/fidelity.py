@@ -277,12 +277,9 @@ def refined_prefix(rt, plan):
     ends = plan.skill_ends()
     if len(ends) < 2:
         return None  # one skill is exact already: the service does not refine it
-    steps, result = rt.exact_prefix_steps(plan.ids[:ends[-1]], 512), None
-    try:
-        while True:
-            result = steps.send(result)()
-    except StopIteration as done:
-        return done.value
+    from service.runtime.engine import run_steps
+
+    return run_steps(rt.exact_prefix_steps(plan.ids[:ends[-1]], 512))
 
 
 # ---- summaries ------------------------------------------------------------------------------

@@ -48,12 +48,9 @@ def _floor(rt, plan, end: int, repeats: int) -> float:
 
 def _refined_prefix(rt, plan):
     """The exact K/V of the prompt through its last skill, built as the service's idle worker builds it."""
-    steps, result = rt.exact_prefix_steps(plan.ids[:plan.skill_ends()[-1]]), None
-    try:
-        while True:
-            result = steps.send(result)()
-    except StopIteration as done:
-        return done.value
+    from service.runtime.engine import run_steps
+
+    return run_steps(rt.exact_prefix_steps(plan.ids[:plan.skill_ends()[-1]]))
 
 
 def run(rt, lengths: list[int], seams: list[int], repeats: int) -> list[dict]:

@@ -5,6 +5,7 @@ import torch
 
 from appclient import make_client
 from service.errors import InvalidRequest
+from service.runtime.engine import run_steps
 from tests.store.store_helpers import metric
 from tiny import tiny_runtime
 
@@ -21,12 +22,7 @@ def _setup(n_skills: int = 3):
 
 
 def _exact_prefix(rt, ids: list[int], chunk: int):
-    steps, result = rt.exact_prefix_steps(ids, chunk), None
-    try:
-        while True:
-            result = steps.send(result)()
-    except StopIteration as done:
-        return done.value
+    return run_steps(rt.exact_prefix_steps(ids, chunk))
 
 
 def test_chunked_prefix_equals_full_prefill_and_composes_exactly():

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from service.kv.block import KVBlock
-from service.runtime.engine import ModelRuntime
+from service.runtime.engine import ModelRuntime, run_steps
 
 _PROBES = [  # (system text, neighbour text or None, user turn)
     ("You are a helpful assistant.", None, "What should I do first?"),
@@ -91,10 +91,4 @@ def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], m
 def calibrate(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
               tie_margin: float) -> Calibration:
     """Run every calibration step inline (tests, benchmarks)."""
-    steps = calibration_steps(rt, block, candidates, min_cosine, tie_margin)
-    result = None
-    try:
-        while True:
-            result = steps.send(result)()
-    except StopIteration as done:
-        return done.value
+    return run_steps(calibration_steps(rt, block, candidates, min_cosine, tie_margin))

@@ -6,7 +6,7 @@ import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
@@ -31,6 +31,17 @@ class PrefillResult:
     n_recomputed: int  # tokens run through the model
     timings_ms: dict[str, float] = field(default_factory=dict)
     n_prefix: int = 0  # tokens copied from an exact prefix (a refined skill sequence), not composed
+
+
+def run_steps(steps: Generator[Callable[[], Any], Any, Any]) -> Any:
+    """Run a step generator (exact_prefix_steps, calibration_steps) inline: each step's result is sent back;
+    returns the generator's value. The service instead runs each step on the worker when it is idle."""
+    result = None
+    try:
+        while True:
+            result = steps.send(result)()
+    except StopIteration as done:
+        return done.value
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
