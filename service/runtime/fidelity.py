@@ -47,9 +47,9 @@ def logit_agreement(a: torch.Tensor, b: torch.Tensor, tie_margin: float = 0.05) 
 
 def compare(
     rt: ModelRuntime, plan: PromptPlan, blocks: list[KVBlock], seam_tokens: int | list[int], n_greedy: int = 0,
-    tie_margin: float = 0.05,
+    tie_margin: float = 0.05, prefix: KVBlock | None = None,
 ) -> Fidelity:
-    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=seam_tokens)
+    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=seam_tokens, prefix=prefix)
     full = rt.prefill(plan, blocks, mode="full")
     agree = logit_agreement(comp.logits, full.logits, tie_margin)
     match = prefix = None

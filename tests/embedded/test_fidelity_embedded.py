@@ -15,6 +15,7 @@ import statistics
 
 import pytest
 
+from service.runtime.engine import run_steps
 from service.runtime.fidelity import compare
 
 pytestmark = pytest.mark.slow
@@ -58,6 +59,21 @@ def test_compose_matches_full_recompute_on_shipped_skills(embedded_runtime, ship
     print(f"decisive cases: {len(decisive)}; top-1 agreement there: {sum(f.top1_agree for f in decisive)}")
     assert all(f.top1_agree for f in decisive)
     assert len({tuple(o) for _, o, _ in results}) > 5  # skills really sat at many different offsets
+
+
+def test_refined_sequences_match_full_recompute(embedded_runtime, shipped_skills):
+    """What the service serves once a skill sequence repeats (service/refine.py): the prompt through the last
+    skill prefilled in chunks and copied as an exact prefix. Cases that composition alone does not get right."""
+    rt = embedded_runtime
+    blocks = {name: rt.compile_block(ids) for name, _, ids in shipped_skills}
+    for k, combo in enumerate([(0, 1), (4, 0, 5)]):
+        names = [shipped_skills[i][0] for i in combo]
+        msgs = [{"role": "system", "content": SYSTEMS[k % 2]}, {"role": "user", "content": USERS[k % 2]}]
+        plan = rt.prompts.build(msgs, [blocks[n].token_ids for n in names])
+        prefix = run_steps(rt.exact_prefix_steps(plan.ids[:plan.skill_ends()[-1]], chunk=512))
+        fid = compare(rt, plan, [blocks[n] for n in names], seam_tokens=4, n_greedy=32, prefix=prefix)
+        print(f"{'+'.join(names):60s} refined: cos={fid.cosine:.7f} kl={fid.kl:.1e} greedy32={fid.greedy_match}")
+        assert fid.kl < 1e-5 and fid.top1_agree and fid.greedy_match, fid
 
 
 def test_no_rerotation_control_is_worse(embedded_runtime, shipped_skills):
