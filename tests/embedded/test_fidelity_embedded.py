@@ -10,7 +10,6 @@ continuations part within 32 tokens in about half of those cases: the target "gr
 >= 90% of cases" is not met on this model (measured 7/14).
 """
 
-import itertools
 import statistics
 
 import pytest
