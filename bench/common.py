@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,11 +25,18 @@ CONFIGS = {
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # the Llama-3.1-8B layout at toy size: bench/gpu/run.sh --dry-run checks the GPU script's path on CPU
+    "llama-smoke": ("llama", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=128256, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
 }
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto"):
-    """'embedded', a HF id / local dir, or one of CONFIGS (random weights, the embedded tokenizer)."""
+    """'embedded', a HF id / local dir, or one of CONFIGS (random weights, the embedded tokenizer: from the
+    directory in SKILLCACHE_BENCH_TOKENIZER when set, as on a GPU machine without the GGUF)."""
     from service.config import Settings
     from service.runtime import build_runtime
     from service.runtime.engine import ModelRuntime
@@ -38,7 +46,12 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto"):
         return build_runtime(Settings(model=model, device=device, dtype=dtype))
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tok = build_runtime(Settings(model="embedded", device="cpu")).tokenizer
+    if os.environ.get("SKILLCACHE_BENCH_TOKENIZER"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(os.environ["SKILLCACHE_BENCH_TOKENIZER"])
+    else:
+        tok = build_runtime(Settings(model="embedded", device="cpu")).tokenizer
     model_type, kw = CONFIGS[model]
     cfg = AutoConfig.for_model(model_type, **kw)
     dev, dt = resolve_device(device), resolve_dtype(dtype, resolve_device(device))
