@@ -1,0 +1,25 @@
+"""The GPU benchmark's path (bench/ttft.py on a random-weight model from bench/common.CONFIGS), run on CPU
+with the two-layer llama-smoke shape, so bench/gpu/run.sh does not rot between the tasks that get a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from embedded_model import ROOT
+
+pytestmark = pytest.mark.slow  # needs the embedded model's tokenizer
+
+
+def test_ttft_runs_every_arm_on_a_random_weight_config(tmp_path):
+    out = tmp_path / "ttft.json"
+    env = {**os.environ, "SKILLCACHE_BENCH_TOKENIZER": ""}  # the embedded model's own tokenizer
+    subprocess.run([sys.executable, "bench/ttft.py", "--model", "llama-smoke", "--device", "cpu", "--lengths", "128",
+                    "--seams", "4", "0", "--repeats", "1", "--json", str(out)], cwd=ROOT, env=env, check=True,
+                   timeout=300, capture_output=True)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["skill_tokens"] == 128 and set(row["compose"]) == {"4", "0"}
+    for arm in (row["compose"]["4"], row["refined"], row["first"]):
+        assert arm["speedup_vs_full"] > 0 and arm["x_floor"] > 0
