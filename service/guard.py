@@ -53,15 +53,9 @@ class FidelityGuard:
     async def _calibrate(self, key, block) -> None:
         from service.runtime.calibrate import calibration_steps
 
-        steps = calibration_steps(self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-                                  self.s.fidelity_tie_margin)
-        result = None
-        try:
-            while True:  # one prefill per idle slot: a live request waits behind one step at most
-                step = steps.send(result)
-                result = await self.when_idle(lambda cancelled, step=step: step())
-        except StopIteration as done:
-            cal = done.value
+        cal = await self.run_steps(calibration_steps(
+            self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine, self.s.fidelity_tie_margin,
+            self.s.background_chunk_tokens))
         block.meta["calibration"] = json.dumps(cal.to_dict())
         metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
         self.degraded.pop(str(key), None)
@@ -82,9 +76,9 @@ class FidelityGuard:
             self.shadow_started.append(time.monotonic())  # on the worker, after the sampled response
             return self.rt.prefill(plan, blocks, mode="compose", seam_tokens=seams).logits
 
-        # two prefills, each in its own idle slot: a live request waits behind one of them at most
+        # the composed prefill, then the full one in chunks, each step in its own idle slot
         comp = await self.when_idle(composed)
-        full = await self.when_idle(lambda cancelled: self.rt.prefill(plan, blocks, mode="full").logits)
+        _, full = await self.run_steps(self.rt.full_prefill_steps(plan.ids, self.s.background_chunk_tokens))
         fid = logit_agreement(comp, full, self.s.fidelity_tie_margin)
         ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
         del self.shadow_started[:-100]
@@ -135,6 +129,17 @@ class FidelityGuard:
             while self.worker.busy or self.worker.queue.qsize() > 0:
                 await asyncio.sleep(0.05)
             return await self.worker.run(fn)
+
+    async def run_steps(self, steps):
+        """Drive a step generator (runtime full_prefill_steps, calibration_steps...): each step on the worker in
+        its own idle slot, its result sent back. Returns the generator's value."""
+        result = None
+        try:
+            while True:
+                step = steps.send(result)
+                result = await self.when_idle(lambda cancelled, step=step: step())
+        except StopIteration as done:
+            return done.value
 
     async def drain(self) -> None:
         while self._bg:

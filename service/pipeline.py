@@ -83,7 +83,7 @@ class ComposePipeline:
         self.store = store
         self.worker = worker
         self.guard = FidelityGuard(settings, runtime, worker, store)
-        self.refiner = PrefixRefiner(settings.refine_after, settings.refine_chunk_tokens, runtime, store, self.guard)
+        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from.

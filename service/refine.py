@@ -80,14 +80,7 @@ class PrefixRefiner:
 
     async def _refine(self, key: BlockKey, ids: list[int]) -> None:
         try:
-            steps = self.rt.exact_prefix_steps(ids, self.chunk)
-            result = None
-            try:
-                while True:  # one chunk per idle slot
-                    step = steps.send(result)
-                    result = await self.guard.when_idle(lambda cancelled, step=step: step())
-            except StopIteration as done:
-                block = done.value
+            block = await self.guard.run_steps(self.rt.exact_prefix_steps(ids, self.chunk))  # a chunk per idle slot
             await self.store.put(key, block, ephemeral=True)
             self._seen.pop(str(key), None)
             metrics.REFINED_PREFIXES.inc()

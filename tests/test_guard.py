@@ -118,3 +118,23 @@ def test_calibration_runs_the_model_only_inside_its_steps(monkeypatch):
     except StopIteration as done:
         assert done.value.n_probes == 2
     assert outside_calls == [] and n_steps > 4
+
+
+def test_shadow_full_prefill_runs_in_chunks(tmp_path, monkeypatch):
+    """A live request waits behind one background step at most: the shadow's full prefill is split into
+    SKILLCACHE_BACKGROUND_CHUNK_TOKENS-token steps, each run when the worker is idle."""
+    with make_client(tmp_path, shadow_sample_rate=1.0, background_chunk_tokens=8) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "a", "text": "Refunds are allowed within 30 days of delivery."})
+        rt, calls = state.runtime, []
+        forward = rt.forward
+        monkeypatch.setattr(rt, "forward", lambda ids, start, cache: calls.append((start, len(ids))) or
+                            forward(ids, start, cache))
+        r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1}).json()
+        del calls[:]  # the request's own forwards; what follows is the shadow check's
+        c.portal.call(state.pipeline.guard.drain)
+        n = r["usage"]["prompt_tokens"]
+        assert {(lo, 8) for lo in range(0, n - 8, 8)} <= set(calls)  # the full prefill, 8 tokens a step
+        assert not [x for x in calls if x[0] == 0 and x[1] > 8]  # and never in one piece
+        assert [st["checks"] for st in state.pipeline.guard.shadow.values()] == [1]

@@ -73,7 +73,7 @@ def _compose(c, skills, **extra):
 
 
 def test_service_refines_a_repeated_sequence(tmp_path):
-    with make_client(tmp_path, refine_after=2, refine_chunk_tokens=16) as c:
+    with make_client(tmp_path, refine_after=2, background_chunk_tokens=16) as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         for name, text in zip("abc", SKILLS):

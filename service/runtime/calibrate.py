@@ -49,11 +49,11 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
 
 
 def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-                      tie_margin: float) -> Generator[Callable[[], Any], Any, Calibration]:
-    """Calibration as a sequence of single-prefill steps: yields a closure, receives its result.
+                      tie_margin: float, chunk: int = 512) -> Generator[Callable[[], Any], Any, Calibration]:
+    """Calibration as a sequence of steps: yields a closure, receives its result.
 
-    The caller runs each step when the inference worker is idle, so a live request waits behind
-    at most one prefill of calibration work, never behind a whole calibration.
+    The caller runs each step when the inference worker is idle, so a live request waits behind one
+    step of calibration work at most: one composed prefill, or `chunk` tokens of a full one.
     """
     t0 = time.perf_counter()
     cases = []  # (plan, blocks, full-recompute logits, seams for a candidate k)
@@ -67,7 +67,7 @@ def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], m
         else:
             blocks, seams = [block], lambda k: k  # noqa: E731
         plan = rt.prompts.build(msgs, [b.token_ids for b in blocks])
-        full = yield (lambda plan=plan: rt.prefill(plan, [], mode="full").logits)
+        _, full = yield from rt.full_prefill_steps(plan.ids, chunk)
         cases.append((plan, blocks, full, seams))
     best = None
     for k in sorted(set(c for c in candidates if c < block.n_tokens)) + [block.n_tokens]:

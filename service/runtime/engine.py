@@ -114,15 +114,22 @@ class ModelRuntime:
             self._anchor_kv = [(layer.keys, layer.values) for layer in tmp.layers]
         append_kv(cache, [k for k, _ in self._anchor_kv], [v for _, v in self._anchor_kv])
 
-    def exact_prefix_steps(self, ids: list[int], chunk: int = 512) -> Generator[Callable[[], object], object, KVBlock]:
-        """The full prefill of `ids` at 0..N-1 as steps of at most `chunk` tokens -> a base-0 block. Yields
-        closures and receives their results (as calibration_steps): a caller that runs each step when the worker
-        is idle delays a live request by one chunk at most. Chunking changes the K/V at float-rounding level."""
-        cache = new_cache(self.model.config)
+    def full_prefill_steps(self, ids: list[int], chunk: int = 512
+                           ) -> Generator[Callable[[], Any], Any, tuple[DynamicCache, torch.Tensor]]:
+        """The full prefill of `ids` at 0..N-1 as steps of at most `chunk` tokens -> (cache, last logits [V]).
+        Yields closures and receives their results (run_steps, FidelityGuard.run_steps): background work that runs
+        each step when the worker is idle delays a live request by one chunk at most. Chunking changes the result
+        at float-rounding level only (docs/BENCHMARKS.md: KL ~3e-7)."""
+        cache, logits = new_cache(self.model.config), None
         for lo in range(0, len(ids), chunk):
-            yield lambda lo=lo: self.forward(ids[lo:lo + chunk], lo, cache)
+            logits = yield lambda lo=lo: self.forward(ids[lo:lo + chunk], lo, cache)
+        return cache, logits
+
+    def exact_prefix_steps(self, ids: list[int], chunk: int = 512) -> Generator[Callable[[], Any], Any, KVBlock]:
+        """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/refine.py)."""
+        cache, _ = yield from self.full_prefill_steps(ids, chunk)
         block = yield lambda: block_from_cache(cache, ids, self.fingerprint, base=0)
-        return block  # type: ignore[return-value]
+        return block
 
     def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
         """Copy an exact prefix (plan.ids[:N], N at a segment boundary) into the empty cache; return the
