@@ -30,7 +30,8 @@ independent of completions. Unthrottled: --concurrency clients, each sending its
 the last one ends. Per arm and rate: p50/p90/p99 TTFT and e2e, throughput (completed / wall time from
 the first arrival to the last completion), errors by type, the skill hit rate from /metrics (blocks
 served from a tier / all blocks served, `skillcache_skill_hits_total` as a delta over the arm; none
-when the arm uses no skills) and the prompt-token reuse ratio (sum reused_tokens / sum prompt_tokens).
+when the arm uses no skills), the prompt-token reuse ratio (sum reused_tokens / sum prompt_tokens) and
+the exact share (sum prefix_tokens / sum prompt_tokens: refined skill sequences, service/refine.py).
 Rates run in the outer loop and arms in the inner one, so a --deadline-s cut drops the highest rates
 of every arm alike. Loopback only.
 
@@ -335,6 +336,7 @@ def summarize(scenario: str, arm: str, rate, recs: list[dict], t0: float, m0: di
     total_hits = sum(delta.values())
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
     reused = sum(r["usage"]["reused_tokens"] for r in ok)
+    prefix = sum(r["usage"].get("prefix_tokens", 0) for r in ok)  # from refined skill sequences (exact)
     return {
         "scenario": scenario, "arm": arm, "rate": rate, "planned": n_planned, "sent": len(recs), "ok": len(ok),
         "errors": errors, "wall_s": wall, "throughput_rps": (len(ok) / wall) if wall else None,
@@ -345,6 +347,7 @@ def summarize(scenario: str, arm: str, rate, recs: list[dict], t0: float, m0: di
         "skill_hits": delta,
         "hit_rate": ((total_hits - delta.get("compiled", 0.0)) / total_hits) if total_hits else None,
         "prompt_tokens_mean": prompt / len(ok) if ok else None, "reuse_ratio": reused / prompt if prompt else None,
+        "prefix_ratio": prefix / prompt if prompt else None,
         # the service's fidelity guard working on the same worker during the arm (stalls requests)
         "shadow_checks": m1["shadow"] - m0["shadow"], "calibrations": m1["calibrations"] - m0["calibrations"],
     }
@@ -356,7 +359,7 @@ def fmt(v, scale: float = 1.0, spec: str = "8.2f") -> str:
 
 HEADER = (f"{'scenario':8s} {'arm':9s} {'rate':>6s} {'ok/sent':>7s} {'err':>4s} {'TTFT p50':>8s} {'p90':>8s} "
           f"{'p99':>8s} {'e2e p50':>8s} {'p90':>8s} {'p99':>8s} {'srvTTFT':>8s} {'thr r/s':>8s} {'hit':>5s} "
-          f"{'reuse':>5s} {'prompt':>6s} {'bg':>3s}")
+          f"{'reuse':>5s} {'exact':>5s} {'prompt':>6s} {'bg':>3s}")
 
 
 def row_line(s: dict) -> str:
@@ -366,14 +369,15 @@ def row_line(s: dict) -> str:
             + " ".join(fmt(s["ttft_s"][p]) for p in ("p50", "p90", "p99")) + " "
             + " ".join(fmt(s["e2e_s"][p]) for p in ("p50", "p90", "p99")) + " "
             + f"{fmt(s['server_ttft_p50_s'])} {fmt(s['throughput_rps'], 1, '8.3f')} {fmt(s['hit_rate'], 1, '5.2f')} "
-            f"{fmt(s['reuse_ratio'], 1, '5.2f')} {fmt(s['prompt_tokens_mean'], 1, '6.0f')} "
+            f"{fmt(s['reuse_ratio'], 1, '5.2f')} {fmt(s['prefix_ratio'], 1, '5.2f')} "
+            f"{fmt(s['prompt_tokens_mean'], 1, '6.0f')} "
             f"{int(s['shadow_checks'] + s['calibrations']):3d}")
 
 
 def print_tables(rows: list[dict]) -> None:
     print("\nTTFT / e2e in seconds (client side, from the scheduled arrival); srvTTFT = the server's ttft_ms p50;\n"
-          "hit = skill blocks from a tier / all; reuse = reused / prompt tokens; bg = the service's shadow checks\n"
-          "and seam calibrations during the arm (they hold the worker)")
+          "hit = skill blocks from a tier / all; reuse = reused / prompt tokens; exact = prompt tokens from refined\n"
+          "skill sequences; bg = the service's shadow checks and seam calibrations during the arm (they hold the worker)")
     print(HEADER)
     for s in rows:
         print(row_line(s))
