@@ -22,8 +22,8 @@ shortest length).
   d  the no-re-rotation control on part a's cases (--control-seams): blocks are copied at their
      canonical positions 0..N-1 (the rotator's move patched to the identity), seams still recomputed
   e  part a's cases as the service serves a repeated skill sequence (SKILLCACHE_REFINE_AFTER,
-     service/refine.py): the prompt through the last skill prefilled in 512-token chunks (as the idle
-     worker does) and copied as an exact prefix, at --default-seam
+     service/refine.py): the prompt through the last skill prefilled in SKILLCACHE_BACKGROUND_CHUNK_TOKENS
+     chunks (as the idle worker does) and copied as an exact prefix, at --default-seam
 
 --kv-compression int8 composes from blocks round-tripped through int8 storage (service/kv/quant.py);
 the reference stays the exact full prefill. The full reference and its greedy continuation are
@@ -277,9 +277,10 @@ def refined_prefix(rt, plan):
     ends = plan.skill_ends()
     if len(ends) < 2:
         return None  # one skill is exact already: the service does not refine it
+    from service.config import Settings
     from service.runtime.engine import run_steps
 
-    return run_steps(rt.exact_prefix_steps(plan.ids[:ends[-1]], 512))
+    return run_steps(rt.exact_prefix_steps(plan.ids[:ends[-1]], Settings().background_chunk_tokens))
 
 
 # ---- summaries ------------------------------------------------------------------------------

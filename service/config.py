@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     refine_after: int = Field(2, ge=0, description="prefill a skill sequence (two skills or more, in order) in "
                               "full when idle once it has been composed this many times; later requests opening "
                               "with it copy it as an exact prefix. 0: off")
-    background_chunk_tokens: int = Field(512, ge=1, description="tokens per step of a background full prefill "
+    background_chunk_tokens: int = Field(128, ge=1, description="tokens per step of a background full prefill "
                                          "(calibration, shadow checks, refinement): a live request waits behind one "
                                          "step at most")
     shadow_sample_rate: float = Field(0.02, ge=0.0, le=1.0, description="compose requests re-run in full, idle")
