@@ -160,3 +160,10 @@ def test_session_created_on_a_refined_sequence_is_exact(tmp_path):
         for got, want in zip(lp_refined, lp_full):
             assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
         assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(lp_composed, lp_full))
+
+
+def test_runtime_step_default_is_the_settings_default():
+    from service.config import Settings
+    from service.runtime.engine import BACKGROUND_CHUNK_TOKENS
+
+    assert Settings().background_chunk_tokens == BACKGROUND_CHUNK_TOKENS

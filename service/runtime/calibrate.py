@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from service.kv.block import KVBlock
-from service.runtime.engine import ModelRuntime, run_steps
+from service.runtime.engine import BACKGROUND_CHUNK_TOKENS, ModelRuntime, run_steps
 
 _PROBES = [  # (system text, neighbour text or None, user turn)
     ("You are a helpful assistant.", None, "What should I do first?"),
@@ -49,7 +49,8 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
 
 
 def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-                      tie_margin: float, chunk: int = 512) -> Generator[Callable[[], Any], Any, Calibration]:
+                      tie_margin: float, chunk: int = BACKGROUND_CHUNK_TOKENS
+                      ) -> Generator[Callable[[], Any], Any, Calibration]:
     """Calibration as a sequence of steps: yields a closure, receives its result.
 
     The caller runs each step when the inference worker is idle, so a live request waits behind one

@@ -20,6 +20,7 @@ from service.runtime.loader import LoadedModel
 from service.runtime.prompt import PromptBuilder, PromptPlan, Segment
 
 Mode = Literal["compose", "full"]
+BACKGROUND_CHUNK_TOKENS = 128  # tokens per background prefill step: Settings.background_chunk_tokens's default
 
 
 @dataclass
@@ -114,7 +115,7 @@ class ModelRuntime:
             self._anchor_kv = [(layer.keys, layer.values) for layer in tmp.layers]
         append_kv(cache, [k for k, _ in self._anchor_kv], [v for _, v in self._anchor_kv])
 
-    def full_prefill_steps(self, ids: list[int], chunk: int = 512
+    def full_prefill_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS
                            ) -> Generator[Callable[[], Any], Any, tuple[DynamicCache, torch.Tensor]]:
         """The full prefill of `ids` at 0..N-1 as steps of at most `chunk` tokens -> (cache, last logits [V]).
         Yields closures and receives their results (run_steps, FidelityGuard.run_steps): background work that runs
@@ -125,7 +126,8 @@ class ModelRuntime:
             logits = yield lambda lo=lo: self.forward(ids[lo:lo + chunk], lo, cache)
         return cache, logits
 
-    def exact_prefix_steps(self, ids: list[int], chunk: int = 512) -> Generator[Callable[[], Any], Any, KVBlock]:
+    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS
+                           ) -> Generator[Callable[[], Any], Any, KVBlock]:
         """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/refine.py)."""
         cache, _ = yield from self.full_prefill_steps(ids, chunk)
         block = yield lambda: block_from_cache(cache, ids, self.fingerprint, base=0)
