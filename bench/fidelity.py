@@ -3,7 +3,7 @@
     python bench/fidelity.py --json bench/out/fidelity.json --png docs/img/fidelity.png
     python bench/fidelity.py --parts a d --seams 0 4 --cases 0 4 7 --greedy 16 --threads 1   # quick (~1.5 min)
 
-The default run takes about 6-8 minutes with the embedded model on a quiet 2-core CPU.
+The default run takes about 8-10 minutes with the embedded model on a quiet 2-core CPU.
 
 Every case is a prompt built like the service builds it ([system][skill blocks][user turn], the
 skills tokenized alone, as precompiled), run twice over the identical ids: `full` prefills every
@@ -24,6 +24,11 @@ shortest length).
   e  part a's cases as the service serves a repeated skill sequence (SKILLCACHE_REFINE_AFTER,
      service/refine.py): the prompt through the last skill prefilled in SKILLCACHE_BACKGROUND_CHUNK_TOKENS
      chunks (as the idle worker does) and copied as an exact prefix, at --default-seam
+  f  why greedy continuations part: part a's cases decoded along the reference's own greedy path
+     (teacher-forced, --greedy max tokens) with the full and the composed cache side by side. Per step:
+     the reference's top-1/top-2 logit gap and how much composition moves that gap. Also what a
+     margin gate (decode composed while the composed gap is >= tau, recompute exactly at the first
+     step below it) would catch, and how often it would fire before the first token
 
 --kv-compression int8 composes from blocks round-tripped through int8 storage (service/kv/quant.py);
 the reference stays the exact full prefill. The full reference and its greedy continuation are
@@ -187,6 +192,27 @@ class Case:
         row["greedy"] = {str(n): (self.ref[:n] == gen[:n]) if n <= n_greedy else None for n in lengths}
         return row
 
+    def margins(self, seam: int, n: int) -> dict:
+        """Decode the reference's greedy path with both caches (part f). Per step: gap = full's top-1 minus
+        top-2 logit; shift = |change of that same gap under compose|; comp_gap = compose's own top-1 - top-2."""
+        rt = self.rt
+        full = rt.prefill(self.plan, self.blocks, mode="full")
+        comp = rt.prefill(self.plan, self.blocks, mode="compose", seam_tokens=seam)
+        lf, lc, pos, steps = full.logits, comp.logits, self.plan.n_tokens, []
+        for tok in self.ref[:n] or [int(lf.argmax())]:
+            top2 = torch.topk(lf, 2).indices
+            gap_f = float(lf[top2[0]] - lf[top2[1]])
+            steps.append({"gap": gap_f, "shift": abs(float(lc[top2[0]] - lc[top2[1]]) - gap_f),
+                          "comp_gap": float(torch.topk(lc, 2).values.diff().neg()), "agree": int(lc.argmax()) == tok})
+            if tok in rt.eos_ids:
+                break
+            lf, lc = rt.forward([tok], pos, full.cache), rt.forward([tok], pos, comp.cache)
+            pos += 1
+        div = next((i for i, s in enumerate(steps) if not s["agree"]), None)
+        return {"part": "f", "case": self.name, **self.info, "seam": seam, "steps": len(steps), "divergence": div,
+                "min_gap": min(s["gap"] for s in steps), "median_shift": statistics.median(s["shift"] for s in steps),
+                "max_shift": max(s["shift"] for s in steps), "comp_gaps": [round(s["comp_gap"], 4) for s in steps]}
+
 
 def build_case(rt, part, name, skill_ids: list[list[int]], system: str | None, user: str, info: dict,
                n_greedy_ref: int, compress) -> Case:
@@ -232,12 +258,12 @@ def run_parts(rt, args, compress) -> list[dict]:
         rows.append(r)
         print(fmt_row(r), flush=True)
 
-    if {"a", "d", "e"} & set(args.parts):
+    if {"a", "d", "e", "f"} & set(args.parts):
         comps = [COMPOSITIONS[i] for i in args.cases] if args.cases else COMPOSITIONS
         for names, si, topic in comps:
             case = build_case(rt, "a", "+".join(names), [skills[n] for n in names], SYSTEMS[si], QUESTIONS[topic],
                               {"skills": names, "system": si, "n_skills": len(names)},
-                              gmax if {"a", "e"} & set(args.parts) else gmin, compress)
+                              gmax if {"a", "e", "f"} & set(args.parts) else gmin, compress)
             if "a" in args.parts:
                 for k in args.seams:
                     emit(case.run(k, gmax if k == args.default_seam else gmin, args.greedy))
@@ -250,6 +276,12 @@ def run_parts(rt, args, compress) -> list[dict]:
                 r = case.run(args.default_seam, gmax, args.greedy, prefix=refined_prefix(rt, case.plan))
                 r["part"] = "e"
                 emit(r)
+            if "f" in args.parts:
+                r = case.margins(args.default_seam, gmin)
+                rows.append(r)
+                print(f"  [f] {r['case']:<48s} steps={r['steps']} divergence={r['divergence']} "
+                      f"min gap={r['min_gap']:.3f} shift median={r['median_shift']:.3f} max={r['max_shift']:.3f}",
+                      flush=True)
     if "b" in args.parts:
         for n in range(1, args.max_skills + 1):
             for j, names in enumerate(n_skill_orders(n, args.per_n)):
@@ -307,6 +339,47 @@ def summarize(rows: list[dict], key, lengths: list[int], tie_margin: float) -> l
     return out
 
 
+GATE_TAUS = [0.25, 0.5, 1.0, 2.0]  # part f: margin-gate thresholds, logits
+
+
+def summarize_margins(rows: list[dict]) -> list[dict]:
+    """Part f by number of skills. A margin gate at tau decodes composed until the composed gap first falls below
+    tau, then recomputes the prompt exactly: its output is the reference's when that happens at or before the
+    first divergence (or there is none); it gains no first-token latency when it fires at step 0."""
+    out = []
+    for n in sorted({r["n_skills"] for r in rows}):
+        rs = [r for r in rows if r["n_skills"] == n]
+        s = {"n_skills": n, "n": len(rs), "diverged": sum(r["divergence"] is not None for r in rs),
+             "median_min_gap": statistics.median(r["min_gap"] for r in rs),
+             "median_shift": statistics.median(r["median_shift"] for r in rs),
+             "max_shift": max(r["max_shift"] for r in rs), "gate": {}}
+        for tau in GATE_TAUS:
+            fire = [next((i for i, g in enumerate(r["comp_gaps"]) if g < tau), None) for r in rs]
+            exact = sum(r["divergence"] is None or (u is not None and u <= r["divergence"]) for r, u in zip(rs, fire))
+            s["gate"][str(tau)] = {"exact": exact, "fires_at_first_token": sum(u == 0 for u in fire),
+                                   "mean_composed_tokens": statistics.fmean(r["steps"] if u is None else u
+                                                                            for r, u in zip(rs, fire))}
+        out.append(s)
+    return out
+
+
+def print_margins(summary: list[dict]) -> None:
+    if not summary:
+        return
+    print("\n(f) along the reference's greedy path: gap = its top-1 minus top-2 logit; shift = how far composition "
+          "moves that gap; gate tau: outputs exact / gate fired before the first token / mean tokens composed")
+    print(f"{'skills':>6s} {'n':>3s} {'diverged':>8s} {'min gap (med)':>13s} {'shift med':>9s} {'shift max':>9s}"
+          + "".join(f" {'tau ' + str(t):>14s}" for t in GATE_TAUS))
+    for s in summary:
+        line = (f"{s['n_skills']:6d} {s['n']:3d} {s['diverged']:8d} {s['median_min_gap']:13.3f} "
+                f"{s['median_shift']:9.3f} {s['max_shift']:9.3f}")
+        for t in GATE_TAUS:  # one skill is exact already: no gate
+            g = s["gate"][str(t)]
+            line += (f" {'-':>14s}" if s["n_skills"] == 1 else
+                     f" {g['exact']:>3d}/{g['fires_at_first_token']:<2d}/{g['mean_composed_tokens']:5.1f}")
+        print(line)
+
+
 def print_table(title: str, label: str, summary: list[dict], lengths: list[int]) -> None:
     if not summary:
         return
@@ -327,8 +400,9 @@ def print_table(title: str, label: str, summary: list[dict], lengths: list[int])
 
 
 def summaries(rows: list[dict], lengths: list[int], tie_margin: float) -> dict:
-    by_part = {p: [r for r in rows if r["part"] == p] for p in "abcde"}
+    by_part = {p: [r for r in rows if r["part"] == p] for p in "abcdef"}
     return {
+        "f_margins_by_n_skills": summarize_margins(by_part["f"]),
         "a_by_seam": summarize(by_part["a"], lambda r: r["seam"], lengths, tie_margin),
         "b_by_n_skills": summarize(by_part["b"], lambda r: (r["n_skills"], r["seam"]), lengths, tie_margin),
         "c_by_length": summarize(by_part["c"], lambda r: (r["length"], r["seam"]), lengths, tie_margin),
@@ -350,6 +424,7 @@ def print_summaries(s: dict, lengths: list[int]) -> None:
     print_table("(d) control: NO re-rotation (part-a cases)", "seam", s["d_no_rerotation_by_seam"], lengths)
     print_table("(d) same cases WITH re-rotation", "seam", s["d_rerotated_by_seam"], lengths)
     print_table("(e) part-a cases, repeated: refined exact prefix", "n skills", s["e_refined_by_n_skills"], lengths)
+    print_margins(s["f_margins_by_n_skills"])
 
 
 # ---- plot -----------------------------------------------------------------------------------
@@ -432,7 +507,8 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"])
+    ap.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e", "f"],
+                    choices=["a", "b", "c", "d", "e", "f"])
     ap.add_argument("--seams", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32], help="part a")
     ap.add_argument("--default-seam", type=int, default=4, help="the service default: longest greedy here")
     ap.add_argument("--greedy", type=int, nargs="+", default=[32, 64], help="greedy match lengths")
@@ -469,7 +545,7 @@ def main() -> None:
     print(f"\nelapsed {elapsed:.0f} s", flush=True)
     write_json(args.json, {"model": rt.loaded.name, "device": str(rt.device), "dtype": str(rt.loaded.dtype),
                            "kv_compression": args.kv_compression, "args": vars(args), "elapsed_s": elapsed,
-                           "summary": {k: [{**x, "key": x["key"] if not isinstance(x["key"], tuple) else list(x["key"])}
+                           "summary": {k: [{**x, **({"key": list(x["key"])} if isinstance(x.get("key"), tuple) else {})}
                                            for x in v] for k, v in s.items()},
                            "rows": rows})
     if args.png:

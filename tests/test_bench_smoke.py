@@ -23,3 +23,18 @@ def test_ttft_runs_every_arm_on_a_random_weight_config(tmp_path):
     assert row["skill_tokens"] == 128 and set(row["compose"]) == {"4", "0"}
     for arm in (row["compose"]["4"], row["refined"], row["first"]):
         assert arm["speedup_vs_full"] > 0 and arm["x_floor"] > 0
+
+
+def test_fidelity_margin_part_runs_on_a_random_weight_config(tmp_path):
+    """bench/fidelity.py part f (why greedy continuations part): a single skill is exact along the whole path, a
+    moved second skill shifts the reference's logit gaps."""
+    out = tmp_path / "fidelity.json"
+    env = {**os.environ, "SKILLCACHE_BENCH_TOKENIZER": ""}
+    subprocess.run([sys.executable, "bench/fidelity.py", "--model", "llama-smoke", "--device", "cpu", "--parts", "f",
+                    "--cases", "0", "3", "--greedy", "4", "--json", str(out)], cwd=ROOT, env=env, check=True,
+                   timeout=300, capture_output=True)
+    single, pair = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "f"]
+    assert single["n_skills"] == 1 and single["divergence"] is None and single["max_shift"] < 1e-3
+    assert pair["n_skills"] == 2 and pair["max_shift"] > single["max_shift"]
+    summary = json.loads(out.read_text())["summary"]["f_margins_by_n_skills"]
+    assert [s["n_skills"] for s in summary] == [1, 2] and set(summary[1]["gate"]) == {"0.25", "0.5", "1.0", "2.0"}
