@@ -200,11 +200,11 @@ class ComposePipeline:
         }
         segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
         in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
-        skills = [
+        skills = [  # seam: what was recomputed (0 for a first skill copied as is); None unless composed
             {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s,
              "path": "prefix" if i in in_prefix else mode if path == "compose" else path,
-             "seam": seam if mode == "compose" and i not in in_prefix else None}
-            for i, (r, s, path, seam) in enumerate(zip(prep.records, prep.sources, prep.paths, prep.seams))
+             "seam": pre.seams.get(i)}
+            for i, (r, s, path) in enumerate(zip(prep.records, prep.sources, prep.paths))
         ]
         return Final(done, usage, timings, skills, prep.edits)
 

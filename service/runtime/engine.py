@@ -32,6 +32,7 @@ class PrefillResult:
     n_recomputed: int  # tokens run through the model
     timings_ms: dict[str, float] = field(default_factory=dict)
     n_prefix: int = 0  # tokens copied from an exact prefix (a refined skill sequence), not composed
+    seams: dict[int, int] = field(default_factory=dict)  # skill index -> seam tokens recomputed (composed skills)
 
 
 def run_steps(steps: Generator[Callable[[], Any], Any, Any]) -> Any:
@@ -188,6 +189,7 @@ class ModelRuntime:
             return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
         pos = n_reused = n_prefix = 0
+        seams_used: dict[int, int] = {}
         t_rotate = t_text = 0.0
         segments, exact_first = plan.segments, None
         if prefix is not None:
@@ -217,7 +219,8 @@ class ModelRuntime:
             seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
             if seg.skill_index == exact_first and not seg.recompute:  # edited: tokens after the edit are stale
                 seam = 0
-            spans = _merge([(0, min(seam, block.n_tokens)), *seg.recompute])
+            seams_used[seg.skill_index] = min(seam, block.n_tokens)
+            spans = _merge([(0, seams_used[seg.skill_index]), *seg.recompute])
             if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
                 raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
             start, cursor = pos, 0  # start: the block's offset in the prompt
@@ -238,4 +241,4 @@ class ModelRuntime:
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
-                             n_prefix)
+                             n_prefix, seams_used)

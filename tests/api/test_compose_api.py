@@ -140,10 +140,16 @@ async def _submit_blocking(worker, gate):
 
 
 def test_seam_tokens_auto_and_bounds(skills):
-    r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1, "seam_tokens": "auto"})
-    assert r.status_code == 200 and r.json()["skills"][0]["seam"] == 4  # uncalibrated: SKILLCACHE_SEAM_TOKENS
-    r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1, "seam_tokens": 2})
-    assert r.json()["skills"][0]["seam"] == 2
+    body = {"skills": ["a", "b"], "user": "hi", "max_tokens": 1}
+    r = skills.post("/v1/compose", json={**body, "seam_tokens": "auto"})
+    # the first skill is copied as is (seam 0); the second gets the uncalibrated default, SKILLCACHE_SEAM_TOKENS
+    assert r.status_code == 200 and [s["seam"] for s in r.json()["skills"]] == [0, 4]
+    r = skills.post("/v1/compose", json={**body, "seam_tokens": 2})
+    assert [s["seam"] for s in r.json()["skills"]] == [0, 2]
+    assert r.json()["usage"]["composed_tokens"] == sum(
+        skills.get(f"/v1/skills/{n}").json()["n_tokens"] for n in "ab") - 2  # what `seam` says was recomputed
+    full = skills.post("/v1/compose", json={**body, "mode": "full"})
+    assert [s["seam"] for s in full.json()["skills"]] == [None, None]
     bad = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "seam_tokens": "some"})
     assert bad.status_code == 422
     assert skills.post("/v1/sessions", json={"skills": ["a"], "seam_tokens": "auto"}).status_code == 201
