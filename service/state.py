@@ -59,7 +59,7 @@ class AppState:
             rt = self.runtime
             self.registry = SkillRegistry(
                 self.definitions, lambda text: len(rt.prompts.encode_content(text)), rt.fingerprint,
-                self.settings.max_skill_tokens,
+                self.settings.max_skill_tokens, rt.max_positions,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
             self.sessions = SessionManager(self.pipeline)

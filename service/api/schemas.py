@@ -69,12 +69,15 @@ class SkillRefIn(Strict):
     version: int | None = Field(None, ge=1, le=MAX_VERSION)
 
 
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
 class GenerationIn(Strict):
     max_tokens: int = Field(128, ge=1, le=1_000_000)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=256)]] | str | None = None
+    stop: list[StopString] | StopString | None = None
     stream: bool = False
 
 

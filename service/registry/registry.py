@@ -19,11 +19,13 @@ class SkillRegistry:
         count_tokens: Callable[[str], int],
         model_fingerprint: str,
         max_skill_tokens: int,
+        context_tokens: int | None = None,
     ) -> None:
         self.definitions = definitions
         self.count_tokens = count_tokens
         self.model_fingerprint = model_fingerprint
         self.max_skill_tokens = max_skill_tokens
+        self.context_tokens = context_tokens  # the model's context: a longer skill could never be composed
         self._lock = asyncio.Lock()  # versions are assigned one registration at a time per process
 
     async def register(
@@ -41,6 +43,11 @@ class SkillRegistry:
             raise LimitExceeded(
                 f"skill {name!r} is {n_tokens} tokens; the limit is {self.max_skill_tokens} "
                 "(SKILLCACHE_MAX_SKILL_TOKENS): split it into smaller skills"
+            )
+        if self.context_tokens and n_tokens >= self.context_tokens:
+            raise LimitExceeded(
+                f"skill {name!r} is {n_tokens} tokens; the model's context is {self.context_tokens} tokens, which "
+                "must also hold the prompt around it and the answer: split it into smaller skills"
             )
         digest = content_hash(text, fields)
         async with self._lock:

@@ -14,7 +14,9 @@ def sample_token(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None
     """logits: [V] float32 -> token id."""
     if p.temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / p.temperature, dim=-1)  # [V]
+    # from the top logit down, and never divided by less than 1e-6: a temperature like 1e-40 overflowed to
+    # inf/NaN (a 500); this close to 0, sampling is greedy up to exact ties anyway
+    probs = torch.softmax((logits - logits.max()) / max(p.temperature, 1e-6), dim=-1)  # [V]
     if p.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p  # always keeps the first

@@ -153,3 +153,27 @@ def test_seam_tokens_auto_and_bounds(skills):
     bad = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "seam_tokens": "some"})
     assert bad.status_code == 422
     assert skills.post("/v1/sessions", json={"skills": ["a"], "seam_tokens": "auto"}).status_code == 201
+
+
+def test_a_temperature_just_above_zero_samples_like_greedy(skills):
+    body = {"skills": ["a"], "user": "hi", "max_tokens": 6}
+    greedy = skills.post("/v1/compose", json=body).json()["text"]
+    for t in (1e-40, 5e-324):  # overflowed to inf/NaN inside softmax: a 500
+        r = skills.post("/v1/compose", json={**body, "temperature": t, "seed": 1})
+        assert r.status_code == 200 and r.json()["text"] == greedy, r.text
+
+
+def test_an_empty_stop_string_is_refused_in_both_forms(skills):
+    for stop in ("", [""], "x" * 257):
+        r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "stop": stop, "stream": True})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", stop
+
+
+def test_chat_accepts_null_for_optional_parameters(skills):
+    """The openai SDK sends null for parameters passed as None; OpenAI's API reads null as the default."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": None, "top_p": None,
+            "n": None, "logprobs": None, "stream": None, "stop": None, "seed": None, "skills": ["a"]}
+    r = skills.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    plain = skills.post("/v1/chat/completions", json={k: v for k, v in body.items() if v is not None}).json()
+    assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]

@@ -68,3 +68,18 @@ def test_limits(tmp_path):
         r = c.post("/v1/skills", json={"name": "huge", "text": "a " * 2000})
         assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
         assert c.get("/v1/skills").status_code == 200  # nothing lost, still serving
+
+
+def test_compile_false_reports_whether_a_block_exists(client):
+    client.post("/v1/skills", json={"name": "pre", "text": TEXT + " pre"})  # compiled
+    again = client.post("/v1/skills", params={"compile": "false"}, json={"name": "pre", "text": TEXT + " pre"})
+    assert again.status_code == 200 and again.json()["compiled"] is True
+    lazy = client.post("/v1/skills", params={"compile": "false"}, json={"name": "lazy", "text": TEXT + " lazy"})
+    assert lazy.status_code == 201 and lazy.json()["compiled"] is False
+
+
+def test_a_skill_longer_than_the_models_context_is_refused_at_registration(client):
+    r = client.post("/v1/skills", json={"name": "huge", "text": "hello " * 5000})  # tiny model: context 4096
+    assert r.status_code == 413 and r.json()["error"]["type"] == "limit_exceeded"
+    assert "context" in r.json()["error"]["message"]
+    assert client.get("/v1/skills/huge").status_code == 404  # nothing stored

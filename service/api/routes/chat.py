@@ -7,7 +7,7 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from service.api.deps import Namespace, Pipeline, State
 from service.api.routes.compose import gen_params
@@ -53,6 +53,12 @@ class ChatRequest(GenerationIn):
     fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = None
     mode: Literal["compose", "full"] = "compose"
     seam_tokens: SeamTokens = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI accepts null for any optional parameter (the SDK sends it for None): null means the default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def _params(body: ChatRequest, ns: str) -> ComposeParams:

@@ -27,8 +27,9 @@ async def register_skill(
     rec, created = await pipeline.registry.register(ns, body.name, body.text, body.description, body.fields)
     if compile:
         await pipeline.block_for(ns, rec.default_text)
+    compiled = compile or await pipeline.store.contains(pipeline.registry.block_key(ns, rec.default_text))
     response.status_code = 201 if created else 200
-    return _out(rec, compiled=compile, versions=await pipeline.registry.versions(ns, rec.name))
+    return _out(rec, compiled=compiled, versions=await pipeline.registry.versions(ns, rec.name))
 
 
 @router.get("", response_model=SkillList)
