@@ -44,7 +44,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError):
         parts = []
         for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            if e.get("type") == "json_invalid":  # its loc is a character offset, not a field
+                at = e.get("loc", ("body", "?"))[-1]
+                parts.append(f"the request body is not valid JSON (at character {at}): {e.get('msg')}")
+                continue
+            # field names and list indices only: union members ("constrained-int", "literal['auto']") are pydantic's
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and (isinstance(x, int) or x.isidentifier()))
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body")
 

@@ -177,3 +177,11 @@ def test_chat_accepts_null_for_optional_parameters(skills):
     assert r.status_code == 200, r.text
     plain = skills.post("/v1/chat/completions", json={k: v for k, v in body.items() if v is not None}).json()
     assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+def test_validation_messages_name_fields_not_pydantic_internals(skills):
+    r = skills.post("/v1/compose", content=b'{"user":', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not valid JSON (at character" in r.json()["error"]["message"]
+    r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "seam_tokens": "some"})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 422 and msg.startswith("seam_tokens: ") and "constrained" not in msg and "literal" not in msg
