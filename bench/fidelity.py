@@ -523,7 +523,7 @@ def main() -> None:
                     help="'top-1 dec': top-1 agreement over cases whose reference p1 - p2 >= this")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default). On a shared CPU use 1: oversubscribed "
-                         "OpenMP threads make small forwards (seams, decode) 10x slower")
+                         "OpenMP threads make small forwards (seams, decode) much slower")
     ap.add_argument("--kv-compression", default="none", choices=["none", "int8"],
                     help="compose from int8-round-tripped blocks (service/kv/quant.py)")
     ap.add_argument("--json")

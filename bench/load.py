@@ -483,7 +483,7 @@ def main() -> None:
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="env for the started service (it does not inherit SKILLCACHE_* from this shell)")
     ap.add_argument("--server-threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
-                         "oversubscribed OpenMP threads make composes and decode steps 10x slower")
+                         "oversubscribed OpenMP threads make composes and decode steps much slower")
     ap.add_argument("--guard", action="store_true",
                     help="keep the started service's background work (seam calibration after each compile, 2%% "
                          "shadow checks, prefix refinement): full prefills on the same worker. Default: off")

@@ -11,7 +11,7 @@ REQUESTS = Counter("skillcache_requests_total", "HTTP requests (namespace: the c
 ERRORS = Counter("skillcache_errors_total", "Errors returned, by stable error_type", ["error_type"])
 TTFT = Histogram("skillcache_ttft_seconds", "Time to first token", ["mode"], buckets=_LATENCY_BUCKETS)
 STAGE = Histogram(
-    "skillcache_stage_seconds", "Time per request stage (compose, store, prefill, decode)", ["stage"],
+    "skillcache_stage_seconds", "Time per request stage (compile, store, prefill, decode)", ["stage"],
     buckets=_LATENCY_BUCKETS,
 )
 TOKENS = Counter("skillcache_prompt_tokens_total", "Prompt tokens by how they were obtained", ["kind"])

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--skill", dest="skills", action="append", required=True, type=_skill_ref,
                    metavar="NAME[@VERSION]", help="a skill to include (repeatable, in order)")
     c.add_argument("--user", required=True, help="the user message ('-' reads stdin)")
-    c.add_argument("--system", help="system text placed before the skills")
+    c.add_argument("--system", help="system text (the service places it after the skills)")
     c.add_argument("--field", dest="fields", action="append", type=_field, default=[], metavar="K=V",
                    help="a field value (repeatable)")
     c.add_argument("--max-tokens", type=int)
