@@ -74,6 +74,13 @@ def test_every_setting_named_in_deployment_files_exists():
         assert not unknown, f"{name} names settings that service/config.py does not define: {sorted(unknown)}"
 
 
+def test_every_setting_has_a_row_in_the_readme_and_operations_tables():
+    """OPERATIONS section 4 is where the Helm values and compose files send readers for "any SKILLCACHE_ setting"."""
+    for doc in (DOC, (REPO / "README.md").read_text()):
+        rows = {m for m in re.findall(r"^\| `(SKILLCACHE_[A-Z0-9_]+)` \|", doc, re.M)}
+        assert not settings_names() - rows, sorted(settings_names() - rows)
+
+
 def test_metrics_named_in_the_doc_exist():
     defined = set(re.findall(r'"(skillcache_[a-z_]+)"', (REPO / "service" / "metrics.py").read_text()))
     named = set(re.findall(r"`(skillcache_[a-z_]+)", DOC))
