@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from service.kv.block import KVBlock
 from service.metrics import STORE_CORRUPT
-from service.store.errors import CorruptBlock
+from service.store.errors import CorruptBlock, StaleBlock
 from service.store.key import BlockKey
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class BlockStore(abc.ABC):
         """Release connections / handles."""
 
     def _corrupt(self, key: BlockKey, err: CorruptBlock) -> None:
-        """Log and count a corrupt entry (the caller deletes it)."""
+        """Log and count a corrupt entry (the caller deletes it). A stale one is only logged."""
+        if isinstance(err, StaleBlock):
+            log.info("store %s: dropping block %s of an older format: %s", self.name, key.to_str(), err)
+            return
         STORE_CORRUPT.labels(tier=self.name, reason=err.reason).inc()
         log.warning("store %s: dropping corrupt block %s: %s", self.name, key.to_str(), err)

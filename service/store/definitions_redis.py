@@ -9,6 +9,7 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
+from service.metrics import STORE_CORRUPT
 from service.store.definitions import DefinitionStore, check_version, dump_doc
 from service.store.errors import StoreUnavailable
 from service.store.key import check_name
@@ -43,10 +44,29 @@ class RedisDefinitionStore(DefinitionStore):
         return guard(self.where, "redis_definitions", write=write)
 
     @staticmethod
-    def _latest(versions: dict[str, str]) -> dict[str, Any] | None:
-        if not versions:
+    def _parse(raw: str | None, where: str) -> dict[str, Any] | None:
+        """The doc, or None when it is not a JSON object. Our writes are whole JSON objects, so anything
+        else is damage or a hand edit: logged, counted and skipped, like the disk store does."""
+        if raw is None:
             return None
-        return json.loads(versions[max(versions, key=int)])
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            doc, why = None, f"not valid JSON: {e}"
+        else:
+            why = "not a JSON object"
+        if isinstance(doc, dict):
+            return doc
+        STORE_CORRUPT.labels(tier="definitions", reason="format").inc()
+        log.error("definition %s is %s, ignoring it", where, why)
+        return None
+
+    def _latest(self, skill: str, versions: dict[str, str]) -> dict[str, Any] | None:
+        """The newest version that parses (an older one stands in for a damaged latest, as on disk)."""
+        for v in sorted(versions, key=int, reverse=True):
+            if (doc := self._parse(versions[v], f"{skill} version {v}")) is not None:
+                return doc
+        return None
 
     async def put(self, namespace: str, name: str, version: int, doc: dict[str, Any]) -> None:
         data, skill, names = dump_doc(doc), self._skill_key(namespace, name), self._names_key(namespace)
@@ -60,9 +80,9 @@ class RedisDefinitionStore(DefinitionStore):
         skill = self._skill_key(namespace, name)
         async with self._guard():
             if version is None:
-                return self._latest(await self._r.hgetall(skill))
+                return self._latest(skill, await self._r.hgetall(skill))
             raw = await self._r.hget(skill, str(check_version(version)))
-        return json.loads(raw) if raw is not None else None
+        return self._parse(raw, f"{skill} version {version}")
 
     async def list(self, namespace: str) -> list[dict[str, Any]]:
         names_key = self._names_key(namespace)
@@ -72,7 +92,8 @@ class RedisDefinitionStore(DefinitionStore):
             for n in names:
                 pipe.hgetall(self._skill_key(namespace, n))
             results = await pipe.execute() if names else []
-        return [doc for r in results if (doc := self._latest(r)) is not None]
+        skills = [self._skill_key(namespace, n) for n in names]
+        return [doc for skill, r in zip(skills, results) if (doc := self._latest(skill, r)) is not None]
 
     async def versions(self, namespace: str, name: str) -> list[int]:
         async with self._guard():
@@ -93,7 +114,8 @@ class RedisDefinitionStore(DefinitionStore):
                         break
                     except WatchError:
                         continue
-        return [json.loads(versions[v]) for v in sorted(versions, key=int)]
+        docs = (self._parse(versions[v], f"{skill} version {v}") for v in sorted(versions, key=int))
+        return [doc for doc in docs if doc is not None]
 
     async def namespaces(self) -> list[str]:
         head, tail = f"{self.prefix}:def:{{", "}:names"  # SCAN: O(keys) per call; for background sweeps only

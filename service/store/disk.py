@@ -6,19 +6,22 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from service.kv.block import KVBlock
 from service.metrics import STORE_EVICTIONS
 from service.store.base import BlockStore
 from service.store.errors import CorruptBlock, StoreUnavailable
-from service.store.fsutil import atomic_write, sweep_temp, write_error
+from service.store.fsutil import TEMP_SUFFIX, atomic_write, sweep_temp, write_error
 from service.store.key import BlockKey, check_name
 from service.store.serde import decode_block, encode_block
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
+_RESCAN_SHARE = 0.1  # a process recounts after writing this share of the cap, however fast it writes
+_UNCAPPED_SWEEP_S = 600.0  # without a cap a walk only sweeps temp files, which are an hour old at the soonest
 
 
 class DiskBlockStore(BlockStore):
@@ -27,20 +30,30 @@ class DiskBlockStore(BlockStore):
     The layout version is not part of the path: a block of an older layout is detected on read
     (CorruptBlock "layout"), dropped and rewritten by the caller.
 
-    `max_bytes` > 0 caps the block files: a put that takes the total over it deletes the least recently
-    used files (a read refreshes a file's mtime) down to 90% of the cap, never the file just written. The
-    total is counted per process and recounted from the directory at each eviction, so replicas sharing a
-    directory stay near the cap. Blocks are derived data: an evicted one is compiled (or read from Redis)
-    again on its next use.
+    `max_bytes` > 0 caps the block files plus the temp files of writes in flight or left by a crash: a
+    put that takes the total over it deletes the least recently used block files (a read refreshes a
+    file's mtime) down to 90% of the cap, never the file just written. Each process adds its own writes
+    to the total and recounts it from the directory (seeing the other processes' writes) at a put at
+    least `rescan_s` after the last count or after writing 10% of the cap since it, and at each
+    eviction. So N processes sharing a directory overshoot the cap by at most the smaller of N x 10% of
+    it and what they all write within `rescan_s`. Blocks are derived data: an evicted one is compiled (or
+    read from Redis) again on its next use.
+
+    Temp files older than `sweep_temp_age_s` (a crash mid-write) are removed at startup and at every
+    recount (every 10 min of puts without a cap); younger ones may be another process's write in flight.
     """
 
     name = "disk"
 
     def __init__(self, root: Path | str, *, sweep_temp_age_s: float | None = 3600.0,
-                 compression: str = "none", max_bytes: int = 0) -> None:
+                 compression: str = "none", max_bytes: int = 0, rescan_s: float = 2.0) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self._total: int | None = None  # bytes of block files, counted on the first capped put
+        self.rescan_s = rescan_s
+        self.sweep_temp_age_s = sweep_temp_age_s
+        self._total: int | None = None  # bytes of block and temp files, counted on the first capped put
+        self._scanned_at = time.monotonic()  # the startup sweep below counts as the first walk
+        self._since_scan = 0  # bytes this process wrote since the last count
         self._size_lock = threading.Lock()
         self.compression = compression  # "none" | "int8" (serde.encode_block); reads follow the payload
         self.last_error: str | None = None
@@ -96,34 +109,57 @@ class DiskBlockStore(BlockStore):
             atomic_write(path, data)
         except OSError as e:
             raise write_error(e, self.root, "disk store") from e
-        if self.max_bytes:
-            with self._size_lock:
-                if self._total is None:
-                    self._total = sum(size for _, size, _ in self._files())
-                else:
-                    self._total += len(data) - replaced
-                if self._total > self.max_bytes:
-                    self._evict(keep=path)
+        with self._size_lock:
+            self._account(path, len(data) - replaced)
 
-    def _files(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of every block file (temp and hidden files excluded)."""
-        out = []
+    def _account(self, path: Path, added: int) -> None:
+        """Add a put's bytes to the total, recount it when due, and evict when it is over the cap."""
+        files, temp_bytes = None, 0
+        self._since_scan += max(added, 0)
+        interval = self.rescan_s if self.max_bytes else _UNCAPPED_SWEEP_S
+        if (self.max_bytes and (self._total is None or self._since_scan >= self.max_bytes * _RESCAN_SHARE)) \
+                or time.monotonic() - self._scanned_at >= interval:
+            files, temp_bytes = self._scan()  # other processes' writes and evictions; stale temps swept
+            self._total = sum(size for _, size, _ in files) + temp_bytes
+        elif self._total is not None:
+            self._total += added
+        if self.max_bytes and self._total is not None and self._total > self.max_bytes:
+            self._evict(path, files, temp_bytes)
+
+    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        """(mtime, size, path) of every block file, and the bytes of temp files young enough to be a write
+        in flight; older temp files (a crash mid-write) are deleted on the way."""
+        self._scanned_at, self._since_scan = time.monotonic(), 0
+        cutoff = time.time() - self.sweep_temp_age_s if self.sweep_temp_age_s is not None else None
+        out, temp_bytes, swept = [], 0, 0
         for dirpath, dirs, files in os.walk(self.root):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for f in files:
-                if f.endswith(SUFFIX) and not f.startswith("."):
-                    p = Path(dirpath) / f
-                    try:
-                        st = p.stat()
-                    except OSError:
-                        continue  # deleted meanwhile
-                    out.append((st.st_mtime, st.st_size, p))
-        return out
+                is_block = f.endswith(SUFFIX) and not f.startswith(".")
+                if not is_block and not (f.startswith(".") and f.endswith(TEMP_SUFFIX)):
+                    continue
+                p = Path(dirpath) / f
+                try:
+                    st = p.stat()
+                    if is_block:
+                        out.append((st.st_mtime, st.st_size, p))
+                    elif cutoff is not None and st.st_mtime < cutoff:
+                        p.unlink()
+                        swept += 1
+                    else:
+                        temp_bytes += st.st_size
+                except OSError:
+                    continue  # deleted meanwhile (renamed into place, evicted by another process)
+        if swept:
+            log.info("disk store: removed %d stale temp files under %s", swept, self.root)
+        return out, temp_bytes
 
-    def _evict(self, keep: Path) -> None:
+    def _evict(self, keep: Path, files: list[tuple[float, int, Path]] | None, temp_bytes: int) -> None:
         """Delete the least recently used block files until the total is under 90% of the cap."""
-        files = sorted(self._files())
-        total = sum(size for _, size, _ in files)
+        if files is None:  # the total is this process's estimate: recount before deleting anything
+            files, temp_bytes = self._scan()
+        files = sorted(files)
+        total = sum(size for _, size, _ in files) + temp_bytes
         evicted = 0
         for _, size, p in files:
             if total <= self.max_bytes * 0.9:

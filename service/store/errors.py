@@ -11,6 +11,7 @@ REASON_SHAPE = "shape"  # tensor names, ranks or sizes inconsistent
 REASON_DTYPE = "dtype"  # tensors of mixed or unexpected dtype
 REASON_CHECKSUM = "checksum"  # tensor bytes do not match the stored sha256
 REASON_CHUNKS = "chunks"  # Redis: a chunk missing, or size / sha256 of the payload wrong
+REASON_STALE = "stale"  # written by an older payload format: a clean miss, never counted as corruption
 
 
 class StoreError(Exception):
@@ -40,3 +41,11 @@ class CorruptBlock(StoreError):
         super().__init__(f"corrupt block ({reason}){': ' + detail if detail else ''}")
         self.reason = reason
         self.detail = detail
+
+
+class StaleBlock(CorruptBlock):
+    """A block in an older payload format: dropped and recompiled like a corrupt one, but logged at info
+    and not counted in STORE_CORRUPT (an upgrade is not damage)."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(REASON_STALE, detail)

@@ -29,6 +29,31 @@ end
 return 0
 """
 
+# The commit point of a put, atomic: set the manifest KEYS[1] to ARGV[1] (PX ARGV[2] unless "0"), make this
+# put's chunks KEYS[2..] persistent (ARGV[3] == "1": no TTL configured), and return the manifest it
+# replaced, so the caller unlinks that one's chunks. Concurrent puts of one key thus each see the manifest
+# they overwrote: no committed chunk set is left without a manifest, whichever order they commit in.
+_COMMIT = """
+local old = redis.call('GET', KEYS[1])
+if ARGV[2] == '0' then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+if ARGV[3] == '1' then
+  for i = 2, #KEYS do redis.call('PERSIST', KEYS[i]) end
+end
+return old
+"""
+
+# GET + DEL in one step (GETDEL needs Redis 6.2): a delete unlinks the chunks of exactly the manifest it
+# removed, never a manifest a concurrent put committed between a GET and a DEL.
+_TAKE = """
+local v = redis.call('GET', KEYS[1])
+if v then redis.call('DEL', KEYS[1]) end
+return v
+"""
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -70,8 +95,10 @@ class RedisBlockStore(BlockStore):
     """Keys: `<prefix>:{<key.to_str()>}:manifest|chunk:<sha16>:<i>|lock`; the hash tag keeps a block on one slot.
 
     Chunk keys carry the payload's sha256 prefix, so two writers of one key never mix chunks.
-    Without a TTL, chunks are first written with `pending_ttl_s` and made persistent once the
-    manifest exists, so a writer killed mid-put leaves nothing behind for long.
+    Without a TTL, chunks are first written with `pending_ttl_s` and made persistent in the same atomic
+    step that commits their manifest (_COMMIT), so a writer killed mid-put leaves nothing behind for
+    long. That step returns the manifest it replaced, whose chunks the writer then unlinks: of
+    concurrent puts to one key, the losers' chunks go too.
     """
 
     name = "redis"
@@ -87,6 +114,8 @@ class RedisBlockStore(BlockStore):
         self.compression = compression  # "none" | "int8" (serde.encode_block); reads follow the payload
         self._r = make_client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
         self._cad = self._r.register_script(_COMPARE_AND_DELETE)
+        self._commit = self._r.register_script(_COMMIT)
+        self._take = self._r.register_script(_TAKE)
         self.last_error: str | None = None
 
     # -- key names --
@@ -112,22 +141,33 @@ class RedisBlockStore(BlockStore):
         mkey = self.manifest_key(key)
         async with self._guard():
             raw = await self._r.get(mkey)  # manifest first: no manifest, no block
-            if raw is None:
-                return None
-            try:
-                m = Manifest.from_json(raw)
-            except CorruptBlock as e:
-                await self._drop(key, e, mkey, raw, [])
-                return None
-            ckeys = self.chunk_keys(key, m)
-            chunks: list[bytes | None] = []
-            for batch in _batches([m.total_bytes // m.n_chunks + 1] * m.n_chunks):
-                chunks.extend(await self._r.mget([ckeys[i] for i in batch]))
-            try:
-                return await asyncio.to_thread(self._assemble, key, m, chunks)
-            except CorruptBlock as e:
-                await self._drop(key, e, mkey, raw, ckeys)
-                return None
+            for _ in range(2):  # the second pass only after the manifest changed under the first
+                if raw is None:
+                    return None
+                try:
+                    m = Manifest.from_json(raw)
+                except CorruptBlock as e:
+                    await self._drop(key, e, mkey, raw, [])
+                    return None
+                ckeys = self.chunk_keys(key, m)
+                chunks = await self._mget(ckeys, m)
+                if None in chunks:
+                    again = await self._r.get(mkey)
+                    if again != raw:  # a put or delete replaced the block meanwhile: not corruption
+                        raw = again
+                        continue
+                try:
+                    return await asyncio.to_thread(self._assemble, key, m, chunks)
+                except CorruptBlock as e:
+                    await self._drop(key, e, mkey, raw, ckeys)
+                    return None
+            return None  # replaced again while reading that one: a plain miss, the caller compiles it
+
+    async def _mget(self, ckeys: list[str], m: Manifest) -> list[bytes | None]:
+        chunks: list[bytes | None] = []
+        for batch in _batches([m.total_bytes // m.n_chunks + 1] * m.n_chunks):
+            chunks.extend(await self._r.mget([ckeys[i] for i in batch]))
+        return chunks
 
     @staticmethod
     def _assemble(key: BlockKey, m: Manifest, chunks: list[bytes | None]) -> KVBlock:
@@ -158,19 +198,14 @@ class RedisBlockStore(BlockStore):
         mkey, ckeys = self.manifest_key(key), self.chunk_keys(key, m)
         ttl_ms = int(self.ttl_s * 1000) if self.ttl_s else None
         async with self._guard(write=True):
-            old_raw = await self._r.get(mkey)
             for batch in _batches(sizes):
                 pipe = self._r.pipeline(transaction=False)
                 for i in batch:
                     off = i * self.chunk_bytes
                     pipe.set(ckeys[i], view[off:off + sizes[i]], px=ttl_ms or self.pending_ttl_s * 1000)
                 await pipe.execute()
-            await self._r.set(mkey, m.to_json(), px=ttl_ms)  # the commit point
-            if ttl_ms is None:
-                pipe = self._r.pipeline(transaction=False)
-                for ck in ckeys:
-                    pipe.persist(ck)
-                await pipe.execute()
+            old_raw = await self._commit(keys=[mkey, *ckeys],
+                                         args=[m.to_json(), ttl_ms or 0, "1" if ttl_ms is None else "0"])
             if old_raw is not None:
                 await self._unlink_stale_chunks(key, old_raw, m)
 
@@ -185,10 +220,9 @@ class RedisBlockStore(BlockStore):
     async def delete(self, key: BlockKey) -> bool:
         mkey = self.manifest_key(key)
         async with self._guard(write=True):
-            raw = await self._r.get(mkey)
+            raw = await self._take(keys=[mkey])  # manifest first: readers see a miss from here on
             if raw is None:
                 return False
-            await self._r.unlink(mkey)  # manifest first: readers see a miss from here on
             try:
                 await self._r.unlink(*self.chunk_keys(key, Manifest.from_json(raw)))
             except CorruptBlock:

@@ -2,8 +2,12 @@
 
 Compression (opt-in, Settings.kv_compression): "none" stores K/V as they are (k.i, v.i in the model
 dtype); "int8" stores k.i, v.i as int8 with float32 scales ks.i, vs.i (service.kv.quant; the scale
-axes are recorded in the metadata) and decodes back to the model dtype. The checksum covers the
-stored tensors either way.
+axes are recorded in the metadata) and decodes back to the model dtype.
+
+The checksum covers every metadata field (base_position, meta.*, n_tokens, ...) and each stored tensor's
+dtype, shape and bytes: a flipped digit in the header changes behaviour as much as a flipped tensor byte.
+Payloads of format version 1 (no `format_version` field; their checksum covered the tensors only) raise
+StaleBlock: a clean miss, recompiled and rewritten in the current format.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from service.kv.block import KVBlock
 from service.kv.quant import AXES, DEFAULT_INT8, Int8Scheme, dequantize, quantize_block, scale_shape
 from service.store.errors import (
     REASON_CHECKSUM, REASON_DTYPE, REASON_FINGERPRINT, REASON_FORMAT, REASON_KEY, REASON_LAYOUT,
-    REASON_SHAPE, CorruptBlock,
+    REASON_SHAPE, CorruptBlock, StaleBlock,
 )
 from service.store.key import BlockKey
 
 FORMAT = "skillcache-kv"
+FORMAT_VERSION = "2"  # 2: the checksum covers the header too
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}  # "torch.float32" -> dtype
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
 COMPRESSIONS = ("none", "int8")
@@ -53,10 +58,14 @@ def _owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _checksum(tensors: Iterable[torch.Tensor]) -> str:
-    """sha256 over the raw bytes of the given (contiguous, CPU) tensors, in order."""
+def _checksum(metadata: dict[str, str], tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 over every metadata field but `checksum`, then each (contiguous, CPU) tensor's dtype, shape
+    and raw bytes, in order."""
     h = hashlib.sha256()
+    fields = {name: val for name, val in metadata.items() if name != "checksum"}
+    h.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     for t in tensors:
+        h.update(f"\n{t.dtype}{tuple(t.shape)}\n".encode())  # a reinterpreted shape is a different block
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # no copy: numpy exposes the buffer
     return h.hexdigest()
 
@@ -101,6 +110,7 @@ def encode_block(key: BlockKey, block: KVBlock, compression: str = "none", schem
     tensors.update(zip(_names(block.n_layers, compression), stored))
     metadata.update(
         format=FORMAT,
+        format_version=FORMAT_VERSION,
         layout_version=str(key.layout_version),
         model_fingerprint=key.model_fingerprint,
         namespace=key.namespace,
@@ -110,8 +120,8 @@ def encode_block(key: BlockKey, block: KVBlock, compression: str = "none", schem
         base_position=str(block.base),
         dtype=str(block.dtype),
         kv_compression=compression,
-        checksum=_checksum(_ordered(tensors, block.n_layers, compression)),
     )
+    metadata["checksum"] = _checksum(metadata, _ordered(tensors, block.n_layers, compression))
     return st_save(tensors, metadata=metadata)
 
 
@@ -129,22 +139,30 @@ def read_metadata(data: bytes) -> dict[str, str]:
         raise CorruptBlock(REASON_FORMAT, f"bad header: {e}") from None
     if not isinstance(meta, dict):
         raise CorruptBlock(REASON_FORMAT, "metadata is not a dict")
+    # safetensors metadata is str -> str; anything else (null, a number) is damage, not a TypeError later
+    bad = next((name for name, val in meta.items() if not isinstance(val, str)), None)
+    if bad is not None:
+        raise CorruptBlock(REASON_FORMAT, f"metadata field {bad!r} is not a string")
     return meta
 
 
 def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
     """Parse and verify a payload written by encode_block for `expected_key`. Raises CorruptBlock."""
     meta = read_metadata(data)
+    if meta.get("format") != FORMAT:
+        raise CorruptBlock(REASON_FORMAT, f"format {meta.get('format')!r}")
+    if "format_version" not in meta:  # version 1: its checksum does not cover the header, so not trusted
+        raise StaleBlock("format version 1 (checksum without the header)")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CorruptBlock(REASON_FORMAT, f"format_version {meta['format_version']!r}")
     try:
-        if meta["format"] != FORMAT:
-            raise CorruptBlock(REASON_FORMAT, f"format {meta['format']!r}")
         layout, n_tokens, n_layers = int(meta["layout_version"]), int(meta["n_tokens"]), int(meta["n_layers"])
-        base = int(meta.get("base_position", "0"))
+        base = int(meta["base_position"])
         fingerprint, namespace, content_hash = meta["model_fingerprint"], meta["namespace"], meta["content_hash"]
         dtype_name, checksum = meta["dtype"], meta["checksum"]
-        compression = meta.get("kv_compression", "none")  # blocks written before compression existed
+        compression = meta["kv_compression"]
         axes = (meta["k_scale_axis"], meta["v_scale_axis"]) if compression == "int8" else ("", "")
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError) as e:
         raise CorruptBlock(REASON_FORMAT, f"metadata field {e}") from None
     if compression not in COMPRESSIONS or (compression == "int8" and not set(axes) <= set(AXES)):
         raise CorruptBlock(REASON_FORMAT, f"kv_compression {compression!r} with scale axes {axes}")
@@ -162,8 +180,10 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
     except Exception as e:  # safetensors raises its own SafetensorError / ValueError
         raise CorruptBlock(REASON_FORMAT, f"safetensors: {e}") from None
 
-    expected_names = {"token_ids", *_names(n_layers, compression)}
-    if set(tensors) != expected_names or n_layers < 1:
+    # n_layers is checked against the tensor count before _names builds a list that long
+    per_layer = 2 if compression == "none" else 4
+    if n_layers < 1 or n_layers * per_layer + 1 != len(tensors) \
+            or set(tensors) != {"token_ids", *_names(n_layers, compression)}:
         raise CorruptBlock(REASON_SHAPE, f"tensor names {sorted(tensors)[:6]}... for {n_layers} layers")
     token_ids = tensors["token_ids"]  # [N]
     if token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (n_tokens,):
@@ -180,7 +200,7 @@ def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
         if compression == "int8":
             _check_scales(i, tensors[f"ks.{i}"], scale_shape(tuple(k.shape), axes[0]),
                           tensors[f"vs.{i}"], scale_shape(tuple(v.shape), axes[1]))
-    if _checksum(_ordered(tensors, n_layers, compression)) != checksum:
+    if _checksum(meta, _ordered(tensors, n_layers, compression)) != checksum:
         raise CorruptBlock(REASON_CHECKSUM)
     if compression == "int8":  # the memory tier and the engine see model-dtype tensors
         keys = [dequantize(q, tensors[f"ks.{i}"], dtype) for i, q in enumerate(keys)]

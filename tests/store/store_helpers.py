@@ -31,3 +31,24 @@ def assert_same_block(a: KVBlock, b: KVBlock) -> None:
 def metric(name: str, **labels: str) -> float:
     """Current value of a Prometheus sample (0 if never set)."""
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def v1_payload(data: bytes, drop: tuple[str, ...] = ()) -> bytes:
+    """`data` (an encode_block payload) rewritten as format version 1 wrote it: no format_version, and a
+    checksum over the tensor bytes only (k.0, v.0, ..., token_ids). `drop` removes further fields."""
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    from service.store.serde import read_metadata
+
+    tensors, meta = load(data), read_metadata(data)
+    for name in ("format_version", *drop):
+        meta.pop(name, None)
+    h = hashlib.sha256()
+    for i in range(int(meta["n_layers"])):
+        for p in ("k", "v"):
+            h.update(tensors[f"{p}.{i}"].reshape(-1).view(torch.uint8).numpy())
+    h.update(tensors["token_ids"].reshape(-1).view(torch.uint8).numpy())
+    meta["checksum"] = h.hexdigest()
+    return save(tensors, metadata=meta)

@@ -10,10 +10,10 @@ from safetensors.torch import save as st_save
 from service.config import Settings
 from service.kv.quant import roundtrip_block
 from service.store.disk import DiskBlockStore
-from service.store.errors import REASON_CHECKSUM, REASON_FORMAT, REASON_SHAPE, CorruptBlock
+from service.store.errors import REASON_CHECKSUM, REASON_FORMAT, REASON_SHAPE, CorruptBlock, StaleBlock
 from service.store.factory import build_store
 from service.store.serde import decode_block, encode_block, read_metadata
-from tests.store.store_helpers import assert_same_block, synthetic_block
+from tests.store.store_helpers import assert_same_block, synthetic_block, v1_payload
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -32,13 +32,11 @@ def test_int8_round_trip_is_close_and_smaller(dtype, make_key) -> None:
     assert_same_block(back, roundtrip_block(block))  # what the tiers serve == what a read returns
 
 
-def test_uncompressed_payload_without_the_field_still_decodes(make_key) -> None:
-    """Blocks written before kv_compression existed carry no such metadata: they read as "none"."""
-    block = synthetic_block()
-    tensors = st_load(encode_block(make_key(), block))
-    meta = read_metadata(encode_block(make_key(), block))
-    del meta["kv_compression"]
-    assert_same_block(decode_block(st_save(tensors, metadata=meta), make_key()), block)
+def test_payload_from_before_compression_is_stale(make_key) -> None:
+    """Blocks written before kv_compression existed are format version 1: a clean miss, recompiled."""
+    data = v1_payload(encode_block(make_key(), synthetic_block()), drop=("kv_compression",))
+    with pytest.raises(StaleBlock):
+        decode_block(data, make_key())
 
 
 def _tamper(data: bytes, fn) -> bytes:

@@ -115,3 +115,24 @@ async def test_redis_definitions_shared_between_clients(redis_url) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.redis
+async def test_redis_damaged_value_skipped_counted_listing_intact(redis_url, sync_redis) -> None:
+    """Like the disk store: a value that is not a JSON object is logged, counted and skipped."""
+    from tests.store.store_helpers import metric
+
+    defs = RedisDefinitionStore(redis_url)
+    try:
+        for name in ("cook", "pirate", "poet"):
+            await defs.put("ns", name, 1, doc(name, 1))
+        sync_redis.hset("skillcache:def:{ns}:skill:pirate", "2", '{"name": "pirate", "vers')  # truncated
+        sync_redis.hset("skillcache:def:{ns}:skill:poet", "1", "[1, 2]")  # JSON, but not a doc
+        before = metric("skillcache_store_corrupt_total", tier="definitions", reason="format")
+        assert await defs.get("ns", "pirate") == doc("pirate", 1)  # the newest readable version
+        assert await defs.get("ns", "pirate", 2) is None and await defs.get("ns", "poet") is None
+        assert [d["name"] for d in await defs.list("ns")] == ["cook", "pirate"]
+        assert metric("skillcache_store_corrupt_total", tier="definitions", reason="format") > before
+        assert await defs.delete("ns", "pirate") == [doc("pirate", 1)]
+    finally:
+        await defs.close()
