@@ -19,6 +19,8 @@ from service.store.key import BlockKey
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".sessions"  # session documents live beside skill definitions, in their own namespace
+_TOMBSTONES = 10_000  # ids of sessions deleted by this process, remembered so that no late save revives them
+_ORPHAN_GRACE_S = 300.0  # a local KV copy this recent may belong to a session whose document is being written
 
 
 @dataclass
@@ -65,6 +67,7 @@ class SavedSessions:
         self.enabled, self.ttl_s = st.session_persist, st.session_store_ttl_s
         self._bg: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # tombstones, oldest first (ids are never reused)
 
     @property
     def _defs(self):
@@ -73,6 +76,10 @@ class SavedSessions:
     def _key(self, s: Session) -> BlockKey:
         return BlockKey(self.p.rt.fingerprint, LAYOUT_VERSION, s.namespace, s.id)
 
+    def is_deleted(self, sid: str) -> bool:
+        """True if this process deleted (or expired) that session: it must not be saved, admitted or resumed."""
+        return sid in self._deleted
+
     def expired(self, doc: dict, now: float) -> bool:
         saved = doc.get("saved_at") or doc.get("created_at") or 0.0
         return self.ttl_s > 0 and now - saved > self.ttl_s
@@ -80,7 +87,7 @@ class SavedSessions:
     # ---- save, load, delete --------------------------------------------------------------------
     def save_later(self, s: Session) -> None:
         """Save the session's current state in the background (best effort; the newest state wins)."""
-        if not self.enabled:
+        if not self.enabled or self.is_deleted(s.id):
             return
         from service.kv.block import KVBlock
 
@@ -93,8 +100,8 @@ class SavedSessions:
 
         async def save() -> None:
             async with s.save_lock:
-                if generation < s.saves:
-                    return  # a newer state is queued behind us
+                if generation < s.saves or self.is_deleted(s.id):
+                    return  # a newer state is queued behind us, or the session was deleted meanwhile
                 try:
                     await self.p.store.put(self._key(s), block)
                     await self._defs.put(s.namespace + _SUFFIX, s.id, 1, doc)  # the document last
@@ -113,7 +120,7 @@ class SavedSessions:
         """A session this process does not hold: its document and KV from the store."""
         from service.kv.cache import cache_from_block
 
-        doc = await self._defs.get(ns + _SUFFIX, sid) if valid_id(sid) else None
+        doc = await self._defs.get(ns + _SUFFIX, sid) if valid_id(sid) and not self.is_deleted(sid) else None
         if doc is None:
             raise SessionNotFound(f"session {sid!r} not found (it may have expired)")
         s = Session(**doc)
@@ -121,16 +128,26 @@ class SavedSessions:
             await self.delete(s)
             raise SessionNotFound(f"session {sid!r} expired: no turn for over {self.ttl_s:g} s "
                                   "(SKILLCACHE_SESSION_STORE_TTL_S); start a new one")
-        block, _ = await self.p.store.get(self._key(s))
+        # a replica that served earlier turns may hold an older copy in its memory or disk tier: only the KV of
+        # exactly these tokens will do (the newest is in the shared tier)
+        block, _ = await self.p.store.get(self._key(s), accept=lambda b: b.token_ids == s.ids)
+        if self.is_deleted(sid):  # deleted while we read it
+            raise SessionNotFound(f"session {sid!r} not found")
         if block is None or block.token_ids != s.ids:
             raise SessionNotFound(f"session {sid!r} lost its cache (expired from the store); start a new one")
         s.cache = cache_from_block(self.p.rt.model.config, block)
         return s
 
     async def delete(self, s: Session) -> None:
-        """The document first (a resume then finds nothing), then the KV."""
-        await self._defs.delete(s.namespace + _SUFFIX, s.id)
-        await self.p.store.delete(self._key(s))
+        """The document first (a resume then finds nothing), then the KV. Marks the session deleted first, so
+        that saves queued for it are skipped, and waits for a save in progress (save_lock): none can write the
+        document or the KV again after this returns."""
+        self._deleted[s.id] = None
+        while len(self._deleted) > _TOMBSTONES:
+            self._deleted.popitem(last=False)
+        async with s.save_lock:
+            await self._defs.delete(s.namespace + _SUFFIX, s.id)
+            await self.p.store.delete(self._key(s))
 
     # ---- expiry ----------------------------------------------------------------------------------
     async def sweep(self, now: float | None = None) -> int:
@@ -140,20 +157,43 @@ class SavedSessions:
             return 0
         now = time.time() if now is None else now
         n = 0
+        kept: set[tuple[str, str]] = set()  # (namespace, id) of the documents still there
         for doc_ns in await self._defs.namespaces():
             if not doc_ns.endswith(_SUFFIX):
                 continue
             for doc in await self._defs.list(doc_ns):
                 live = self.live.get(doc["id"])
                 if live is not None and (live.lock.locked() or not self.expired(live.doc(), now)):
+                    kept.add((doc_ns[: -len(_SUFFIX)], doc["id"]))
                     continue  # in use here, or saved since this listing was read
                 if self.expired(doc, now):
                     self.live.pop(doc["id"], None)
-                    await self.delete(Session(**doc))
+                    await self.delete(live or Session(**doc))
                     n += 1
+                else:
+                    kept.add((doc_ns[: -len(_SUFFIX)], doc["id"]))
         if n:
             metrics.SESSIONS_EXPIRED.inc(n)
             log.info("deleted %d saved sessions with no turn for over %g s", n, self.ttl_s)
+        await self._sweep_orphans(kept, now)
+        return n
+
+    async def _sweep_orphans(self, kept: set[tuple[str, str]], now: float) -> int:
+        """Delete this replica's disk-tier copies of session KV whose document is gone: with a shared store
+        (Redis) another replica deleted or expired the session, and only cleaned its own tiers and Redis.
+        Copies written in the last _ORPHAN_GRACE_S are left alone (a save writes the KV before the document),
+        as are sessions this process holds; each candidate's document is looked up once more before."""
+        n = 0
+        for key, mtime in await self.p.store.disk_keys("s-"):
+            sid = key.content_hash
+            if (key.namespace, sid) in kept or sid in self.live or not valid_id(sid) or now - mtime < _ORPHAN_GRACE_S:
+                continue
+            if await self._defs.get(key.namespace + _SUFFIX, sid) is not None:
+                continue  # saved since the listing
+            await self.p.store.delete(key)
+            n += 1
+        if n:
+            log.info("deleted %d local copies of session KV whose session is gone", n)
         return n
 
     def start_sweeper(self) -> None:

@@ -70,6 +70,8 @@ class SessionManager:
                    "recomputed_tokens": pre.n_recomputed}
 
     async def get(self, ns: str, sid: str) -> Session:
+        if self.saved.is_deleted(sid):
+            raise SessionNotFound(f"session {sid!r} not found")
         s = self.live.get(sid)
         if s is None:
             s = await self._resume(ns, sid)
@@ -80,6 +82,8 @@ class SessionManager:
         return s
 
     async def delete(self, ns: str, sid: str) -> None:
+        """Gone at once here (a turn still running finishes, but is neither kept nor saved), and in the store
+        once this returns: a save of its creation or of a turn still queued or running cannot bring it back."""
         s = await self.get(ns, sid)
         self.live.pop(s.id, None)
         await self.saved.delete(s)
@@ -152,8 +156,9 @@ class SessionManager:
                     timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
                                "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
                     edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
-                    self._admit(s)
-                    self.saved.save_later(s)
+                    if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
+                        self._admit(s)
+                        self.saved.save_later(s)
                     yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits)
                     return
                 yield item

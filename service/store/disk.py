@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
 import threading
 import time
 from pathlib import Path
 
-from service.kv.block import KVBlock
+from service.kv.block import LAYOUT_VERSION, KVBlock
 from service.metrics import STORE_EVICTIONS
 from service.store.base import BlockStore
 from service.store.errors import CorruptBlock, StoreUnavailable
@@ -62,6 +63,18 @@ class DiskBlockStore(BlockStore):
 
     def path_for(self, key: BlockKey) -> Path:
         return self.root / key.model_fingerprint / key.namespace / f"{key.content_hash}{SUFFIX}"
+
+    def list_keys(self, prefix: str) -> list[tuple[BlockKey, float]]:
+        """(key, file mtime) of the blocks whose content hash starts with `prefix`, any model and namespace
+        (blocking: run it in a thread). The layout version is not part of a path: keys carry the current one."""
+        out = []
+        for path in self.root.glob(f"*/*/{glob.escape(prefix)}*{SUFFIX}"):  # <fingerprint>/<namespace>/<hash>
+            try:
+                key = BlockKey(path.parent.parent.name, LAYOUT_VERSION, path.parent.name, path.name[: -len(SUFFIX)])
+                out.append((key, path.stat().st_mtime))
+            except (ValueError, OSError):
+                continue  # not a block file, or deleted meanwhile
+        return out
 
     # -- blocking helpers (run in threads) --
 

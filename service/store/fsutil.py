@@ -34,7 +34,7 @@ def ensure_dir(path: Path) -> None:
     missing: list[Path] = []
     p = path
     while not p.is_dir():
-        if p.exists():
+        if p.exists() and not p.is_dir():  # not a bare exists(): another thread may have just created it
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(p))
         missing.append(p)
         if p.parent == p:

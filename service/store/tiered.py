@@ -13,6 +13,7 @@ from typing import Any
 from service.kv.block import KVBlock
 from service.metrics import COMPILES, STORE_ERRORS, STORE_OPS, STORE_UP
 from service.store.base import BlockStore
+from service.store.disk import DiskBlockStore
 from service.store.errors import StoreError, StoreUnavailable, StoreWriteError
 from service.store.key import BlockKey
 
@@ -103,8 +104,13 @@ class TieredStore:
         """Every tier, or for ephemeral blocks only the in-process memory tier(s)."""
         return [t for t in self.tiers if t.name == "memory"] if ephemeral else self.tiers
 
-    async def get(self, key: BlockKey, ephemeral: bool = False) -> tuple[KVBlock | None, str | None]:
-        """(block, tier name) from the first tier that has it, filling the tiers above; (None, None) on a miss."""
+    async def get(self, key: BlockKey, ephemeral: bool = False, accept: Callable[[KVBlock], bool] | None = None
+                  ) -> tuple[KVBlock | None, str | None]:
+        """(block, tier name) from the first tier that has it, filling the tiers above; (None, None) on a miss.
+
+        `accept`: for a key whose block changes (a session's KV, rewritten every turn), a block it refuses is an
+        older copy in a faster tier (another replica wrote the newer one to Redis): it is skipped, and the fill
+        overwrites it."""
         tiers = self._tiers(ephemeral)
         for i, tier in enumerate(tiers):
             if not self._available(tier):
@@ -113,7 +119,7 @@ class TieredStore:
                 block = await self._run(tier, "get", tier.get, key)
             except StoreError:
                 continue
-            if block is not None:
+            if block is not None and (accept is None or accept(block)):
                 await self._fill(tiers[:i], key, block)
                 return block, tier.name
         return None, None
@@ -180,6 +186,15 @@ class TieredStore:
                 log.warning("store tier %s: delete %s/%s failed (stale blocks stay until TTL / next delete): %s",
                             tier.name, namespace, content_hash, e)
         return total
+
+    async def disk_keys(self, prefix: str) -> list[tuple[BlockKey, float]]:
+        """(key, file mtime) of this replica's disk-tier blocks whose content hash starts with `prefix` (Redis is
+        not listed)."""
+        keys: list[tuple[BlockKey, float]] = []
+        for tier in self.tiers:
+            if isinstance(tier, DiskBlockStore):
+                keys += await asyncio.to_thread(tier.list_keys, prefix)
+        return keys
 
     # -- compile once --
 
