@@ -97,6 +97,6 @@ EXPOSE 8000
 # Liveness only (the process serves HTTP); readiness (/readyz) is the orchestrator's business. The start period
 # covers the first-start model conversion.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
-  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/livez', timeout=4)"]
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"]
 # One worker: the inference worker owns the model (one per GPU); scale with replicas, not workers.
 CMD ["python", "-m", "service", "--host", "0.0.0.0", "--port", "8000"]

@@ -12,8 +12,21 @@ def helm_renderer() -> HelmRenderer:
     return HelmRenderer()
 
 
+NO_AUTH = {"config": {"SKILLCACHE_ALLOW_NO_AUTH": "1"}}
+
+
 @pytest.fixture
 def render(helm_renderer):
+    """helm_renderer.render, with config.SKILLCACHE_ALLOW_NO_AUTH "1" added when the values configure no API keys
+    (without either the chart refuses to render: tests/deploy/test_deploy_helm.py, test_no_keys_fails)."""
     if not helm_renderer.available:
         pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
-    return helm_renderer.render
+
+    def render(values: dict | None = None):
+        values = dict(values or {})
+        keys = values.get("apiKeys", {})
+        if not keys.get("existingSecret") and not keys.get("keys"):
+            values["config"] = {**NO_AUTH["config"], **values.get("config", {})}
+        return helm_renderer.render(values)
+
+    return render

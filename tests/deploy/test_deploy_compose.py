@@ -23,6 +23,7 @@ def test_redis_service():
     assert "--appendonly yes" in command
     assert "--appendfsync everysec" in command
     assert "--maxmemory-policy noeviction" in command
+    assert "--maxmemory 2gb" in command, "noeviction acts only with a maxmemory: without one Redis grows unbounded"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     volume = redis["volumes"][0]
     name, target = volume.split(":")[:2]
@@ -48,7 +49,7 @@ def test_skillcache_service():
 def test_skillcache_healthcheck():
     hc = BASE["services"]["skillcache"]["healthcheck"]
     assert hc["test"][:3] == ["CMD", "python", "-c"]
-    assert "http://127.0.0.1:8000/livez" in hc["test"][3]
+    assert "http://127.0.0.1:8000/readyz" in hc["test"][3], "healthy = model loaded (a failed load keeps /livez up)"
     compile(hc["test"][3], "<healthcheck>", "exec")
     assert parse_duration(hc["start_period"]) >= 60, "the first start converts the embedded model"
 

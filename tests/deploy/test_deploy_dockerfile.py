@@ -97,7 +97,7 @@ def test_healthcheck_and_cmd():
     runtime = in_stage(FINAL)
     (hc,) = [i for i in runtime if i.cmd == "HEALTHCHECK"]
     options, _, command = hc.args.partition("CMD ")
-    assert "/livez" in command
+    assert "/readyz" in command, "healthy = model loaded: a failed load keeps /livez up"
     start = re.search(r"--start-period=(\S+)", options).group(1)
     assert parse_duration(start) >= 60, "the first start converts the model"
     import json

@@ -357,3 +357,29 @@ def test_rendered_yaml_is_plain(render):
     """No Go template leftovers ("<no value>", "%!") in any manifest."""
     text = yaml.safe_dump_all(render().docs)
     assert "<no value>" not in text and "%!" not in text
+
+
+def test_no_keys_fails_at_render_time_with_what_to_set(helm_renderer):
+    """Without keys the pods would crash-loop (the service refuses 0.0.0.0 without auth): say so at install."""
+    if not helm_renderer.available:
+        pytest.skip("no Helm renderer")
+    with pytest.raises(RenderError) as err:
+        helm_renderer.render({})
+    assert "apiKeys.existingSecret" in str(err.value) and "SKILLCACHE_ALLOW_NO_AUTH" in str(err.value)
+    for allow in ("1", "true"):
+        assert helm_renderer.render({"config": {"SKILLCACHE_ALLOW_NO_AUTH": allow}}).deployment()
+
+
+def test_a_readwriteonce_volume_is_replaced_not_surged(render):
+    assert render().deployment()["spec"]["strategy"]["type"] == "RollingUpdate"
+    pvc = render({"persistence": {"enabled": True}}).deployment()["spec"]["strategy"]
+    assert pvc == {"type": "Recreate"}, pvc
+    rwx = render({"persistence": {"enabled": True, "accessModes": ["ReadWriteMany"]}}).deployment()
+    assert rwx["spec"]["strategy"]["type"] == "RollingUpdate"
+
+
+def test_torch_threads_follow_a_whole_cpu_request(render):
+    assert render().config()["SKILLCACHE_TORCH_THREADS"] == "1"
+    assert render({"resources": {"requests": {"cpu": "4"}}}).config()["SKILLCACHE_TORCH_THREADS"] == "4"
+    assert "SKILLCACHE_TORCH_THREADS" not in render({"resources": {"requests": {"cpu": "500m"}}}).config()
+    assert render({"config": {"SKILLCACHE_TORCH_THREADS": "2"}}).config()["SKILLCACHE_TORCH_THREADS"] == "2"
