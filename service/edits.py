@@ -7,6 +7,7 @@ Modes, per skill whose requested field values differ from the compiled defaults:
   in_place       recompute the field's tokens only (the research baseline: models read their notes
                  on later tokens, so this alone barely moves decisions)
   recompile      compile a variant block with the new values (cached under its own text hash)
+A declared field that the text never uses gets its erratum line in every mode: there is nothing to recompute.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def plan_edit(prompts, rec: SkillRecord, values: dict[str, str], mode: str, temp
     if not changed:
         return SkillEdit(text=rec.default_text)
     errata = [template.format(field=f, value=v) for f, v in changed.items()]
+    old_text, old_chars = render_spans(rec.text, rec.fields)
+    # a declared field the text never uses: neither a recompile nor an in-place edit can carry its value
+    absent = [f for f in changed if not old_chars.get(f)]
+    if absent and mode in ("in_place", "recompile"):
+        note = f"fields {absent} do not appear in the skill's text: applied as errata lines"
+        edit = plan_edit(prompts, rec, {f: v for f, v in changed.items() if f not in absent}, mode, template)
+        lines = [template.format(field=f, value=changed[f]) for f in absent]
+        return SkillEdit(edit.text, edit.ids, edit.recompute, edit.errata + lines,
+                         edit.report + [{"mode": "erratum", "requested": mode, "fields": sorted(absent),
+                                         "lines": lines, "fallback": note}])
     new_values = {**rec.fields, **changed}
     if mode == "recompile":
         text, _ = render_spans(rec.text, new_values)
@@ -51,10 +62,9 @@ def plan_edit(prompts, rec: SkillRecord, values: dict[str, str], mode: str, temp
     if mode == "erratum":
         return SkillEdit(text=rec.default_text, errata=errata,
                          report=[{"mode": "erratum", "fields": sorted(changed), "lines": errata}])
-    old_text, old_chars = render_spans(rec.text, rec.fields)
     new_text, new_chars = render_spans(rec.text, new_values)
-    old_ids, old_spans = prompts.encode_spans(old_text, [s for f in changed for s in old_chars[f]])
-    new_ids, new_spans = prompts.encode_spans(new_text, [s for f in changed for s in new_chars[f]])
+    old_ids, old_spans = prompts.encode_spans(old_text, [s for f in changed for s in old_chars.get(f, [])])
+    new_ids, new_spans = prompts.encode_spans(new_text, [s for f in changed for s in new_chars.get(f, [])])
     inside = {i for s, e in new_spans for i in range(s, e)}
     same_layout = (
         len(old_ids) == len(new_ids) and old_spans == new_spans

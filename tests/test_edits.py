@@ -88,3 +88,19 @@ def test_edit_modes_over_the_api(client):
     er = client.post("/v1/compose", json={**base, "edit_mode": "erratum"}).json()
     assert ip["usage"]["prompt_tokens"] < er["usage"]["prompt_tokens"]  # no appended line
     assert ip["usage"]["recomputed_tokens"] > 0
+
+
+def test_a_declared_field_the_text_never_uses_is_applied_as_an_erratum_in_every_mode(client):
+    """It has no tokens to recompute in place (this was a 500: KeyError on its spans)."""
+    client.post("/v1/skills", json={"name": "u", "text": TEXT, "fields": {"status": "A", "tier": "basic"}})
+    line = TEMPLATE.format(field="tier", value="gold")
+    base = {"skills": ["u"], "user": "Refund?", "max_tokens": 2, "fields": {"tier": "gold"}}
+    for mode in ("erratum", "field+erratum", "in_place", "recompile"):
+        r = client.post("/v1/compose", json={**base, "edit_mode": mode})
+        assert r.status_code == 200, (mode, r.text)
+        lines = [x for e in r.json()["edits"] for x in e.get("lines", [])]
+        assert lines == [line], (mode, r.json()["edits"])
+    both = client.post("/v1/compose", json={**base, "edit_mode": "in_place", "fields": {"tier": "gold", "status": "B"}})
+    edits = both.json()["edits"]
+    assert [e["mode"] for e in edits] == ["in_place", "erratum"] and edits[1]["fallback"]
+    assert both.json()["usage"]["recomputed_tokens"] > 0
