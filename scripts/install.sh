@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one install script: `make run`, `make test`, CI and the Dockerfile all go through it.
 #   scripts/install.sh [VENV_DIR]      (default .venv; VENV_DIR=system installs into the current python)
-# Idempotent: a stamp holding the hash of pyproject.toml skips a reinstall when nothing changed.
+# Idempotent: a stamp holding the hash of both pyproject.toml files and this script skips a reinstall when
+# nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
@@ -19,14 +20,20 @@ else
   stamp="$venv/.skillcache-installed"
 fi
 
-want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)-$extras"
+want="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh 2>/dev/null | sha256sum | cut -c1-16)-$extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
 $pip install --quiet --upgrade pip
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on CPU-only machines.
-$pip install --quiet "torch==2.13.0"
+# torch first, pinned to the tested version. On Linux x86_64 PyPI's torch is the CUDA build (multi-GB with its
+# nvidia-* wheels): on a CPU-only machine set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the
+# "+cpu" build (the Dockerfile's cpu image does; a pip configured with a local +cpu wheel needs nothing).
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  $pip install --quiet --extra-index-url "$TORCH_INDEX_URL" "torch==2.13.0"
+else
+  $pip install --quiet "torch==2.13.0"
+fi
 if [ -n "$extras" ]; then
   $pip install --quiet -e ".[$extras]"
 else

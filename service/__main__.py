@@ -25,7 +25,9 @@ def main() -> None:
     except AuthConfigError as e:
         print(f"skillcache: not starting: {e}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # bounded: a 2,048-token stream could outlast compose's 30 s stop_grace_period, and a SIGKILL skips shutdown
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=settings.shutdown_grace_s)
 
 
 if __name__ == "__main__":

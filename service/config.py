@@ -71,6 +71,8 @@ class Settings(BaseSettings):
     max_tokens_cap: int = 2048
     max_body_bytes: int = 4 * 1024 * 1024
     queue_size: int = 32
+    shutdown_grace_s: float = Field(20.0, gt=0, description="on SIGTERM, how long open responses (streams) may "
+                                    "finish before they are cut and shutdown runs; below the orchestrator's grace")
 
     # auth and limits (service/api/auth.py; docs/OPERATIONS.md section 4, "Authentication and tenants")
     auth: Literal["off", "keys"] | None = Field(

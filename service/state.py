@@ -74,7 +74,12 @@ class AppState:
         folder = self.settings.skills_dir
         if not folder or not Path(folder).is_dir():
             return
-        from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+        try:  # the skill-file format lives in the client package, which needs no torch
+            from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+        except ImportError as e:
+            raise RuntimeError(f"SKILLCACHE_SKILLS_DIR={folder} needs the skillcache-client package to read skill "
+                               "files: pip install ./clients/python (scripts/install.sh does), or set "
+                               "SKILLCACHE_SKILLS_DIR= to start without them") from e
 
         for path in iter_skill_files(Path(folder)):
             try:

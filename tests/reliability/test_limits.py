@@ -123,3 +123,21 @@ def test_live_sessions_are_limited_per_tenant(tmp_path):
         r = c.post("/v1/sessions", json={"skills": ["a"]}, headers=bearer(ADMIN))  # same tenant, other key
         assert r.status_code == 413 and _err(r) == "limit_exceeded" and "SKILLCACHE_MAX_SESSIONS" in r.text
         assert c.post("/v1/sessions", json={"skills": ["a"]}, headers=bearer(OTHER)).status_code == 201
+
+
+def test_sigterm_waits_a_bounded_time_for_open_streams(monkeypatch, tmp_path):
+    """uvicorn waits for open responses forever by default: a long stream outlasted compose's 30 s grace and was
+    SIGKILLed before shutdown ran. `python -m service` bounds it with SKILLCACHE_SHUTDOWN_GRACE_S."""
+    import sys
+
+    import uvicorn
+
+    from service import __main__ as entry
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(sys, "argv", ["python -m service", "--port", "18999"])
+    monkeypatch.setenv("SKILLCACHE_SHUTDOWN_GRACE_S", "7.5")
+    monkeypatch.setenv("SKILLCACHE_HOME", str(tmp_path))
+    entry.main()
+    assert seen["timeout_graceful_shutdown"] == 7.5 and seen["port"] == 18999
