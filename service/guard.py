@@ -3,6 +3,7 @@
 Both run off the hot path: a calibration is scheduled when a block is compiled, a shadow check
 after a sampled response has completed, and each waits until the inference worker is idle. A
 skill whose shadow check fails is marked degraded and served by full prefill until recalibrated.
+Deleting a skill (`forget`) drops its blocks' state, and jobs still in flight for them record nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class FidelityGuard:
         self.degraded: dict[str, dict] = {}  # block key -> the failed shadow check
         self.shadow: dict[str, dict] = {}  # block key -> {"checks", "passed", "cosine_min", "cosine_mean"}
         self._bg: set[asyncio.Task] = set()
+        self._calibrating: set[str] = set()  # block keys with a calibration in flight (one per key)
+        self._deletes = 0  # forget() calls so far: a job notes the count when it is scheduled
+        self._deleted: dict[str, int] = {}  # key -> _deletes when forgotten, while jobs are in flight
+        self._writing = asyncio.Lock()  # a calibration writing its block back, or forget()
         self._idle = asyncio.Lock()  # one background job at a time
         self.shadow_started: list[float] = []  # monotonic start times of shadow checks (bounded below)
 
@@ -47,29 +52,56 @@ class FidelityGuard:
         return self.s.seam_tokens, "compose"
 
     def schedule_calibration(self, key, block) -> None:
-        if self.s.seam_auto and calibration_of(block) is None:
-            self.spawn(self._calibrate(key, block))
+        k = str(key)
+        if self.s.seam_auto and calibration_of(block) is None and k not in self._calibrating:
+            self._calibrating.add(k)
+            if not self.spawn(self._calibrate(key, block, self._deletes)):
+                self._calibrating.discard(k)  # the background backlog is full: a later request tries again
 
-    async def _calibrate(self, key, block) -> None:
+    async def _calibrate(self, key, block, since: int) -> None:
         from service.runtime.calibrate import calibration_steps
 
-        cal = await self.run_steps(calibration_steps(
-            self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine, self.s.fidelity_tie_margin,
-            self.s.background_chunk_tokens))
-        block.meta["calibration"] = json.dumps(cal.to_dict())
-        metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
-        self.degraded.pop(str(key), None)
-        metrics.DEGRADED_SKILLS.set(len(self.degraded))
-        await self.store.put(key, block)  # the calibration travels with the block (disk, Redis)
+        k = str(key)
+        try:
+            cal = await self.run_steps(calibration_steps(
+                self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
+                self.s.fidelity_tie_margin, self.s.background_chunk_tokens))
+            block.meta["calibration"] = json.dumps(cal.to_dict())
+            metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
+            async with self._writing:
+                if not self._current(k, since):
+                    return  # its skill was deleted meanwhile: don't write the block back
+                self.degraded.pop(k, None)
+                metrics.DEGRADED_SKILLS.set(len(self.degraded))
+                await self.store.put(key, block)  # the calibration travels with the block (disk, Redis)
+        finally:
+            self._calibrating.discard(k)
+
+    async def forget(self, keys) -> None:
+        """A skill was deleted: drop its blocks' shadow and degraded state. Jobs in flight for them record
+        nothing, and a calibration writing its block back has finished when this returns (so the caller
+        deletes the blocks after it)."""
+        async with self._writing:
+            self._deletes += 1
+            for k in map(str, keys):
+                self.degraded.pop(k, None)
+                self.shadow.pop(k, None)
+                if self._bg:
+                    self._deleted[k] = self._deletes
+            metrics.DEGRADED_SKILLS.set(len(self.degraded))
+
+    def _current(self, key: str, since: int) -> bool:
+        """False if the skill of `key` was deleted after a job was scheduled at `since`."""
+        return self._deleted.get(key, -1) <= since
 
     # ---- shadow verification -----------------------------------------------------------------
     def maybe_shadow(self, keys: list[str], plan, blocks, seams) -> bool:
         if self.s.shadow_sample_rate <= 0 or random.random() >= self.s.shadow_sample_rate:
             return False
-        self.spawn(self._shadow(keys, plan, blocks, seams))
+        self.spawn(self._shadow(keys, plan, blocks, seams, self._deletes))
         return True
 
-    async def _shadow(self, keys, plan, blocks, seams) -> None:
+    async def _shadow(self, keys, plan, blocks, seams, since: int) -> None:
         from service.runtime.fidelity import logit_agreement
 
         def composed(cancelled):
@@ -85,6 +117,8 @@ class FidelityGuard:
         metrics.SHADOW_CHECKS.labels("pass" if ok else "fail").inc()
         metrics.SHADOW_COSINE.observe(fid["cosine"])
         for k in keys:
+            if not self._current(k, since):
+                continue  # its skill was deleted meanwhile
             st = self.shadow.setdefault(k, {"checks": 0, "passed": 0, "cosine_min": 1.0, "cosine_sum": 0.0})
             st["checks"] += 1
             st["passed"] += int(ok)
@@ -117,6 +151,8 @@ class FidelityGuard:
 
     def _done(self, task: asyncio.Task) -> None:
         self._bg.discard(task)
+        if not self._bg:
+            self._deleted.clear()  # no job left that was scheduled before a delete
         if not task.cancelled() and task.exception() is not None:
             log.error("background fidelity job failed: %s", task.exception())
 

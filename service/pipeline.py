@@ -56,7 +56,7 @@ class Prepared:
     plan: object
     t_start: float
     store_ms: float
-    keys: list[str]  # block keys, for the fidelity guard
+    keys: list[str]  # per skill: its registered text's block key, for the fidelity guard (also for variants)
     seams: list[int]  # per skill
     paths: list[str]  # per skill: "compose" or "full" (degraded after a failed shadow check)
     mode: str  # what actually runs: "compose" or "full"
@@ -127,7 +127,7 @@ class ComposePipeline:
         blocks, sources, keys, seams = [], [], [], []
         for rec, edit in zip(records, edits):
             block, source = await self.block_for(p.namespace, edit.text, variant=edit.text != rec.default_text)
-            key = str(self.registry.block_key(p.namespace, edit.text))
+            key = str(self.registry.block_key(p.namespace, rec.default_text))  # a variant's checks are its skill's
             blocks.append(block)
             sources.append(source)
             keys.append(key)

@@ -51,6 +51,8 @@ async def get_skill(name: str, pipeline: Pipeline, ns: Namespace,
 async def delete_skill(name: str, pipeline: Pipeline, ns: Namespace) -> SkillDeleted:
     """Remove every version of the definition and its blocks in every tier."""
     records = await pipeline.registry.delete(ns, name)
-    for rec in records:
-        await pipeline.store.delete_namespace_hash(ns, pipeline.registry.block_key(ns, rec.default_text).content_hash)
+    keys = [pipeline.registry.block_key(ns, rec.default_text) for rec in records]
+    await pipeline.guard.forget(keys)  # first: a calibration in flight must not write a block back after this
+    for key in keys:
+        await pipeline.store.delete_namespace_hash(ns, key.content_hash)
     return SkillDeleted(deleted=name, versions=sorted(r.version for r in records))
