@@ -33,6 +33,9 @@ class Session:
     messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns so far
     base_errata: list[str] = field(default_factory=list)  # field values given at creation
     skill_ids: list[list[int]] = field(default_factory=list)  # each skill block's ids, as composed
+    # per skill, the value of each field it declares as the prompt says it: its text, or the last erratum line
+    # (skills may declare one field with different defaults)
+    skill_fields: list[dict[str, str]] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # tokens held by `cache`
     cache: Any = None  # DynamicCache, owned by this session; None until loaded
     created_at: float = field(default_factory=time.time)
@@ -43,8 +46,8 @@ class Session:
     saves: int = 0
 
     def doc(self) -> dict:
-        keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids", "ids",
-                "created_at", "saved_at")
+        keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
+                "skill_fields", "ids", "created_at", "saved_at")
         return {k: getattr(self, k) for k in keep}
 
     def public(self) -> dict:

@@ -6,6 +6,7 @@ arrive as erratum lines (current value only) at the head of the user turn. Live 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -30,6 +31,7 @@ class SessionManager:
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
         self.saved = SavedSessions(pipeline, self.live)
+        self._loading: dict[tuple[str, str], asyncio.Task] = {}  # (namespace, id) -> its resume in progress
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
@@ -50,6 +52,7 @@ class SessionManager:
         s = Session(id=f"s-{secrets.token_hex(12)}", namespace=ns, system=system,
                     skills=[{"name": r.name, "version": r.version, "content_hash": r.content_hash} for r in records],
                     fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
+                    skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
                     base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks])
         plan = self.rt.prompts.build(self._head(s), s.skill_ids, s.base_errata,
                                      add_generation_prompt=False)
@@ -100,7 +103,7 @@ class SessionManager:
             unknown = sorted(set(fields) - set(s.fields))
             if unknown:
                 raise InvalidField(f"unknown fields {unknown}; this session's skills declare {sorted(s.fields)}")
-            changed = {f: v for f, v in fields.items() if s.fields[f] != v}
+            changed = self._changed(s, fields)
             tmpl = self.p.settings.erratum_template
             errata = [tmpl.format(field=f, value=v) for f, v in changed.items()]
             content = "\n".join(errata) + "\n\n" + user if errata else user
@@ -109,10 +112,12 @@ class SessionManager:
             ids = plan.ids
             self.rt.check_length(len(ids), gen.max_tokens, "full")
             events = await self._run_turn(s, ids, gen)
+            out = self._finish(s, messages, fields, changed, errata, events)
+            await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
             s.lock.release()
             raise
-        return self._finish(s, messages, changed, errata, events)
+        return out
 
     async def _run_turn(self, s: Session, ids: list[int], gen: GenParams):
         from service.kv.cache import truncate
@@ -139,15 +144,17 @@ class SessionManager:
         first = await anext(stream)
         return first, stream, box, t0
 
-    async def _finish(self, s: Session, messages, changed, errata, events) -> AsyncIterator[Delta | Final]:
+    async def _finish(self, s: Session, messages, fields, changed, errata, events) -> AsyncIterator[Delta | Final]:
         item, stream, box, t0 = events
         try:
+            yield None  # turn() starts us here: an async generator closed before it started runs no `finally`
             while True:
                 if isinstance(item, Done):
                     s.ids = box["ids"]
-                    reply = [t for t in item.token_ids if t not in self.rt.eos_ids]
-                    s.messages = messages + [{"role": "assistant", "content": item.text, "ids": reply}]
-                    s.fields.update(changed)
+                    s.messages = messages + [self._reply(item)]
+                    s.fields.update(fields)
+                    s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
+                                      for said in s.skill_fields]  # an erratum names no skill: all read it
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
                              "composed_tokens": 0, "prefix_tokens": box["reused"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
@@ -165,6 +172,23 @@ class SessionManager:
                 item = await anext(stream)
         finally:
             s.lock.release()
+            await stream.aclose()  # a client gone mid-reply: stop generating now
+
+    def _changed(self, s: Session, fields: dict[str, str]) -> dict[str, str]:
+        """The given fields that some skill's block, or the last erratum line, says otherwise. As in /v1/compose,
+        a value one skill's default already says is news to a skill that declares the field with another default."""
+        said = s.skill_fields or [s.fields]  # a session saved before skill_fields: one value per field
+        return {f: v for f, v in fields.items() if any(d.get(f, v) != v for d in said)}
+
+    def _reply(self, done: Done) -> dict:
+        """The assistant message later turns re-render. Its exact generated ids (those the cache holds) when they
+        spell the returned text; otherwise (cut at a stop string, or special tokens the text leaves out) the text,
+        re-tokenized as a client replaying the transcript would send it. The next turn then keeps the cache only
+        up to where the two agree and prefills the rest, so the model never sees what the client did not."""
+        ids = [t for t in done.token_ids if t not in self.rt.eos_ids]
+        if self.rt.tokenizer.decode(ids) == done.text:
+            return {"role": "assistant", "content": done.text, "ids": ids}
+        return {"role": "assistant", "content": done.text}
 
     # ---- memory bound and resume ---------------------------------------------------
     def _head(self, s: Session) -> list[dict[str, str]]:
@@ -193,6 +217,16 @@ class SessionManager:
         await self.saved.drain()
 
     async def _resume(self, ns: str, sid: str) -> Session:
-        s = await self.saved.load(ns, sid)
+        """Concurrent requests for a session not in memory share one load, so one Session and its lock: each
+        with its own copy, two turns would both run and the later save would drop the other's turn."""
+        key = (ns, sid)
+        load = self._loading.get(key)
+        if load is None:
+            load = self._loading[key] = asyncio.create_task(self.saved.load(ns, sid))
+            load.add_done_callback(lambda _: self._loading.pop(key, None))
+        s = await asyncio.shield(load)  # a caller that goes away does not cancel the others' load
+        if self.saved.is_deleted(sid):  # deleted while it was read
+            raise SessionNotFound(f"session {sid!r} not found")
+        s = self.live.get(sid, s)  # a waiter before us may have admitted it already
         self._admit(s)
         return s

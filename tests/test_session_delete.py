@@ -45,6 +45,13 @@ async def _saved_copies(saved: SavedSessions, s: Session) -> tuple[bool, bool]:
     return doc is not None, block is not None
 
 
+def _replica(tmp_path, redis_url, tag):
+    """One replica of store=redis: its own memory and disk tiers, the shared Redis."""
+    store = TieredStore([MemoryBlockStore(1 << 30), DiskBlockStore(tmp_path / tag / "blocks"),
+                         RedisBlockStore(redis_url)], background_fill=False)
+    return SavedSessions(_pipeline(store, RedisDefinitionStore(redis_url)), OrderedDict()), store
+
+
 def test_delete_skips_a_save_still_queued(tmp_path):
     """DELETE right after create (or a turn): the save it scheduled has not started yet."""
     async def main():
@@ -158,13 +165,8 @@ def test_sweep_drops_local_copies_of_sessions_gone_elsewhere(tmp_path, redis_url
 
     redis.Redis.from_url(redis_url).flushall()
 
-    def replica(tag):
-        store = TieredStore([MemoryBlockStore(1 << 30), DiskBlockStore(tmp_path / tag / "blocks"),
-                             RedisBlockStore(redis_url)], background_fill=False)
-        return SavedSessions(_pipeline(store, RedisDefinitionStore(redis_url)), OrderedDict()), store
-
     async def main():
-        (a, sa), (b, sb) = replica("A"), replica("B")
+        (a, sa), (b, sb) = _replica(tmp_path, redis_url, "A"), _replica(tmp_path, redis_url, "B")
         deleted, expired, kept = (_session("s-" + c * 24) for c in "cde")
         for s in (deleted, expired, kept):
             a.save_later(s)
@@ -200,13 +202,8 @@ def test_resume_after_turns_on_another_replica_reads_the_newest_kv(tmp_path, red
 
     redis.Redis.from_url(redis_url).flushall()
 
-    def replica(tag):
-        store = TieredStore([MemoryBlockStore(1 << 30), DiskBlockStore(tmp_path / tag / "blocks"),
-                             RedisBlockStore(redis_url)], background_fill=False)
-        return SavedSessions(_pipeline(store, RedisDefinitionStore(redis_url)), OrderedDict()), store
-
     async def main():
-        (a, sa), (b, sb) = replica("A"), replica("B")
+        (a, sa), (b, sb) = _replica(tmp_path, redis_url, "A"), _replica(tmp_path, redis_url, "B")
         a.p.rt.model = b.p.rt.model = NS(config=None)
         sid = "s-" + "9" * 24
         a.save_later(_session(sid, n=5))

@@ -188,3 +188,61 @@ def test_store_ttl_zero_keeps_saved_sessions(tmp_path):
         assert state.sessions.saved._sweeper is None
         assert c.portal.call(state.sessions.saved.sweep, time.time() + 10**9) == 0
         assert c.get(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_a_stop_string_does_not_stay_in_the_context_of_later_turns(app):
+    """A reply cut at a stop string: later turns see the returned text, as a client replaying the transcript
+    through /v1/chat/completions would send it, not the generated tokens through the stop string (which the
+    cache held); and the next turn's output equals a full prefill of that transcript."""
+    mgr = app.app.state.skillcache.sessions
+    probe = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+    full = app.post(f"/v1/sessions/{probe}/turns", json={"user": "Refund?", "max_tokens": 12}).json()["text"]
+    # a stop string inside the reply (greedy: a fresh identical session generates the same)
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 1)
+                if full[i:i + 2].isalnum() and full.find(full[i:i + 2]) == i)
+    sid = app.post("/v1/sessions", json={"skills": ["policy"]}).json()["id"]
+    r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "Refund?", "max_tokens": 12, "stop": [stop]}).json()
+    assert r["finish_reason"] == "stop" and r["text"] == full[:full.find(stop)]
+
+    s = mgr.live[sid]
+    transcript = app.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert transcript[-1]["content"] == r["text"]
+    replay = mgr.rt.prompts.build(mgr._head(s) + transcript + [{"role": "user", "content": "Why?"}], s.skill_ids,
+                                  s.base_errata)
+    sent = mgr.rt.prompts.build(mgr._head(s) + s.messages + [{"role": "user", "content": "Why?"}], s.skill_ids,
+                                s.base_errata)
+    assert sent.ids == replay.ids  # what the next turn sends is the replayed transcript
+    import torch
+
+    expect = torch.log_softmax(mgr.rt.prefill(replay, [], mode="full").logits, -1)
+    body = app.post(f"/v1/sessions/{sid}/turns", json={"user": "Why?", "max_tokens": 2, "logprobs": 5}).json()
+    assert body["usage"]["prompt_tokens"] == len(replay.ids)
+    # the cache, which held the tokens through the stop string, was cut back to where the two agree
+    top = torch.topk(expect, 5).values.tolist()
+    assert all(math.isclose(x["logprob"], e, abs_tol=1e-3) for x, e in zip(body["logprobs"], top))
+
+
+def test_a_field_two_skills_declare_with_different_defaults_reaches_both(app):
+    """`policy` says status=delivered, `tools` says pending. Setting pending is news to `policy`: an erratum,
+    as /v1/compose adds; once that erratum was said, the same value again adds nothing, and another adds one."""
+    tools = "Tool specs: search(query), lookup(order_id). Status {{status}}."
+    app.post("/v1/skills", json={"name": "tools", "text": tools, "fields": {"status": "pending"}})
+    mgr = app.app.state.skillcache.sessions
+    line = ("[STATE UPDATE] status has changed to {}; this overrides any earlier value. Apply the current value.")
+    composed = app.post("/v1/compose", json={"skills": ["policy", "tools"], "user": "q", "max_tokens": 1,
+                                            "fields": {"status": "pending"}}).json()
+    assert [e["skill"] for e in composed["edits"]] == ["policy"]
+    sid = app.post("/v1/sessions", json={"skills": ["policy", "tools"]}).json()["id"]
+
+    def turn(value):
+        r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "q", "max_tokens": 1, "fields": {"status": value}})
+        assert r.status_code == 200, r.text
+        return r.json()["edits"]
+
+    assert turn("pending") == [{"mode": "erratum", "fields": ["status"], "lines": [line.format("pending")]}]
+    assert turn("pending") == []
+    app.portal.call(mgr.drain)
+    mgr.live.pop(sid)  # what each skill was told survives a resume
+    assert turn("pending") == []
+    assert turn("delivered") == [{"mode": "erratum", "fields": ["status"], "lines": [line.format("delivered")]}]
+    assert app.get(f"/v1/sessions/{sid}").json()["fields"] == {"status": "delivered"}

@@ -39,4 +39,27 @@ def sse_response(events: AsyncIterator[Any], to_json: Callable[[Any], list[dict]
             yield frame(on_error(error_payload(e)))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return _EventStream(body(), events)
+
+
+class _EventStream(StreamingResponse):
+    """Closes its events when the response ends, however it ends. A client that hangs up cancels the response
+    while the generators are paused at a `yield`; nothing else closes them then, and what they hold (a session's
+    turn lock, the worker's job) would stay held until the garbage collector finalized them."""
+
+    def __init__(self, body: AsyncIterator[str], events: AsyncIterator[Any]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self.body_iterator)
+            await _close(self.events)  # the body may never have started (cancelled at the status line)
+
+
+async def _close(it: AsyncIterator[Any]) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()
