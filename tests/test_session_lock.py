@@ -8,17 +8,7 @@ import json
 import httpx
 import pytest
 
-from appclient import make_client
-
-POLICY = "Refunds are allowed within 30 days. The order status is {{status}}. Deny refunds for shipped orders."
-
-
-@pytest.fixture
-def app(tmp_path):
-    with make_client(tmp_path) as c:
-        c.portal.call(c.app.state.skillcache.wait_ready)
-        c.post("/v1/skills", json={"name": "policy", "text": POLICY, "fields": {"status": "delivered"}})
-        yield c
+from test_sessions import app  # noqa: F401  (the same app fixture: the policy skill registered)
 
 
 async def _hang_up(app, path: str, body: dict, at: str, spec: str, worker) -> None:
