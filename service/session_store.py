@@ -45,6 +45,12 @@ class Session:
     save_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves in order, the newest wins
     saves: int = 0
 
+    @classmethod
+    def from_doc(cls, doc: dict) -> "Session":
+        """A saved document; keys a newer version added are ignored, so replicas of mixed versions (a rolling
+        deploy) can still resume each other's sessions."""
+        return cls(**{k: v for k, v in doc.items() if k in cls.__dataclass_fields__})
+
     def doc(self) -> dict:
         keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
                 "skill_fields", "ids", "created_at", "saved_at")
@@ -126,7 +132,7 @@ class SavedSessions:
         doc = await self._defs.get(ns + _SUFFIX, sid) if valid_id(sid) and not self.is_deleted(sid) else None
         if doc is None:
             raise SessionNotFound(f"session {sid!r} not found (it may have expired)")
-        s = Session(**doc)
+        s = Session.from_doc(doc)
         if self.expired(doc, time.time()):
             await self.delete(s)
             raise SessionNotFound(f"session {sid!r} expired: no turn for over {self.ttl_s:g} s "
@@ -171,7 +177,7 @@ class SavedSessions:
                     continue  # in use here, or saved since this listing was read
                 if self.expired(doc, now):
                     self.live.pop(doc["id"], None)
-                    await self.delete(live or Session(**doc))
+                    await self.delete(live or Session.from_doc(doc))
                     n += 1
                 else:
                     kept.add((doc_ns[: -len(_SUFFIX)], doc["id"]))

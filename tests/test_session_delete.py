@@ -222,3 +222,10 @@ def test_resume_after_turns_on_another_replica_reads_the_newest_kv(tmp_path, red
         for st in (sa, sb):
             await st.close()
     asyncio.run(main())
+
+
+def test_a_document_from_a_newer_version_still_loads(tmp_path):
+    """Rolling deploys: a field a newer replica adds to the saved document must not break an older one's resume."""
+    doc = {**_session("s-" + "7" * 24).doc(), "added_by_a_newer_version": [1, 2]}
+    s = Session.from_doc(doc)
+    assert s.id == "s-" + "7" * 24 and not hasattr(s, "added_by_a_newer_version")
