@@ -26,7 +26,9 @@ def main() -> None:
         print(f"skillcache: not starting: {e}", file=sys.stderr)
         sys.exit(2)
     # bounded: a 2,048-token stream could outlast compose's 30 s stop_grace_period, and a SIGKILL skips shutdown
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+    # proxy_headers off: uvicorn would otherwise trust X-Forwarded-For from loopback, where an auth-off service
+    # listens, so any caller could pick its own rate-limit bucket (per client address when auth is off)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", proxy_headers=False,
                 timeout_graceful_shutdown=settings.shutdown_grace_s)
 
 

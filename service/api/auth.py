@@ -82,8 +82,15 @@ class Principal:
 
 def load_keys(path: Path) -> list[ApiKey]:
     """Parse and validate a keys file. Raises AuthConfigError naming the entry at fault."""
+    def no_repeats(pairs: list[tuple[str, object]]) -> dict:
+        names = [name for name, _ in pairs]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:  # json keeps the last silently: a merge slip could widen a role or move a key to another tenant
+            raise ValueError(f"an entry gives {repeated} more than once")
+        return dict(pairs)
+
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=no_repeats)
     except OSError as e:
         raise AuthConfigError(f"SKILLCACHE_API_KEYS_FILE {path}: cannot read it: {e}") from e
     except ValueError as e:
@@ -116,7 +123,7 @@ def load_keys(path: Path) -> list[ApiKey]:
             raise AuthConfigError(f"{where}: 'namespace' must match {_NAMESPACE.pattern} (1-64 letters, digits, "
                                   "'_' or '-'; dots are reserved)")
         role = entry.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise AuthConfigError(f"{where}: 'role' must be one of {sorted(ROLES)}, not {role!r}")
         if any(hmac.compare_digest(digest, k.digest) for k in keys):
             raise AuthConfigError(f"{where}: the same key appears twice")

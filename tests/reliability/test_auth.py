@@ -119,6 +119,7 @@ def test_key_sha256_entries_and_constant_time_comparison(tmp_path, monkeypatch):
     ([{"key": ADMIN, "namespace": "../etc", "role": "user"}], "namespace"),
     ([{"key": ADMIN, "namespace": "acme.sessions", "role": "user"}], "dots are reserved"),
     ([{"key": ADMIN, "namespace": "a", "role": "root"}], "role"),
+    ([{"key": ADMIN, "namespace": "a", "role": ["admin"]}], "role"),  # was a TypeError: a traceback, exit 1
     ([{"key": ADMIN, "namespace": "a", "role": "user", "extra": 1}], "unknown fields"),
     ([{"key": ADMIN, "namespace": "a", "role": "user"}, {"key": ADMIN, "namespace": "b", "role": "admin"}],
      "twice"),
@@ -174,3 +175,11 @@ def test_python_m_service_refuses_a_public_address_without_keys(tmp_path):
 def test_keys_in_the_shipped_example_shape_load(tmp_path):
     """The documented entry shape, as docs/OPERATIONS.md shows it."""
     assert len(load_keys(write_keys(tmp_path / "k.json", KEYS))) == 3
+
+
+def test_a_keys_entry_that_repeats_a_field_stops_the_start(tmp_path):
+    """JSON keeps the last of repeated names silently: "role" twice made a user key admin."""
+    path = tmp_path / "keys.json"
+    path.write_text('[{"key": "%s", "namespace": "acme", "role": "user", "role": "admin"}]' % ADMIN)
+    with pytest.raises(AuthConfigError, match=r"\['role'\] more than once"):
+        load_keys(path)

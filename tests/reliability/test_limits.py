@@ -141,3 +141,4 @@ def test_sigterm_waits_a_bounded_time_for_open_streams(monkeypatch, tmp_path):
     monkeypatch.setenv("SKILLCACHE_HOME", str(tmp_path))
     entry.main()
     assert seen["timeout_graceful_shutdown"] == 7.5 and seen["port"] == 18999
+    assert seen["proxy_headers"] is False  # X-Forwarded-For from loopback must not pick the rate-limit bucket
