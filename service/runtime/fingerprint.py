@@ -1,4 +1,5 @@
-"""Model fingerprint: changes when weights, tokenizer, chat template, RoPE parameters or dtype change.
+"""Model fingerprint: changes when weights, tokenizer, chat templates, any compute field of the config (RoPE
+included) or dtype change.
 
 Weight files are hashed once and the digest cached by (path, size, mtime), so a multi-GB
 checkpoint does not re-hash at every start. Models without files (random-weight test models)
@@ -69,9 +70,14 @@ def tokenizer_digest(tok: PreTrainedTokenizerBase) -> str:
     h = hashlib.sha256()
     backend = getattr(tok, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
-    h.update((getattr(tok, "chat_template", None) or "").encode())
+    template = getattr(tok, "chat_template", None) or ""  # a dict when the tokenizer ships named templates
+    h.update((template if isinstance(template, str) else json.dumps(template, sort_keys=True)).encode())
     h.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+_NOT_COMPUTE = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
+                "output_attentions", "output_hidden_states", "return_dict", "_commit_hash", "quantization_config"}
 
 
 def model_fingerprint(
@@ -81,18 +87,15 @@ def model_fingerprint(
     dtype: torch.dtype,
     cache_file: Path | None = None,
 ) -> str:
-    """A short stable id: sha256 over weights, tokenizer + template, RoPE/shape config, dtype, layout."""
-    cfg = model.config.get_text_config(decoder=True).to_dict()
-    rope = {k: cfg.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")}
-    shape = {
-        k: cfg.get(k)
-        for k in ("model_type", "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "sliding_window")
-    }
+    """A short stable id: sha256 over weights, tokenizer + templates, the text config, dtype, layout."""
+    # the whole text config: any field can change the K/V (rms_norm_eps, layer_types, no_rope_layers,
+    # query_pre_attn_scalar...); only bookkeeping that does not is left out
+    cfg = {k: v for k, v in model.config.get_text_config(decoder=True).to_dict().items()
+           if k not in _NOT_COMPUTE and not k.startswith("_")}
     parts = {
         "weights": weights_digest(model, source_files, cache_file),
         "tokenizer": tokenizer_digest(tok),
-        "rope": rope,
-        "shape": shape,
+        "config": cfg,
         "dtype": str(dtype),
         "layout": LAYOUT_VERSION,
     }

@@ -152,14 +152,21 @@ class PromptBuilder:
             return bos + BLOCK_JOINER.join(turns) + ("\n" if add_generation_prompt else "")
         conv = ([{"role": "system", "content": system}] if system else []) + body
         try:
-            return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception:
+            rendered = self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            # some templates without a system role raise (Gemma), others drop the system turn silently (the first
+            # Phi-3-mini): it holds the skills, so a render without all of them is no render
+            if not system or set(_SENTINEL_RE.findall(system)) <= set(_SENTINEL_RE.findall(rendered)):
+                return rendered
+            error: Exception = ValueError("the chat template drops the system turn, and there is no user turn "
+                                          "to carry the skills")
+        except Exception as e:
             if not system:
                 raise
-            # Templates without a system role (Gemma): the system text leads the first user turn.
-            first = next((i for i, m in enumerate(body) if m["role"] == "user"), None)
-            if first is None:
-                raise
-            body = [dict(m) for m in body]
-            body[first]["content"] = system + BLOCK_JOINER + body[first]["content"]
-            return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt)
+            error = e
+        # Templates without a system role: the system text leads the first user turn.
+        first = next((i for i, m in enumerate(body) if m["role"] == "user"), None)
+        if first is None:
+            raise error
+        body = [dict(m) for m in body]
+        body[first]["content"] = system + BLOCK_JOINER + body[first]["content"]
+        return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt)
