@@ -31,7 +31,7 @@ the last one ends. Per arm and rate: p50/p90/p99 TTFT and e2e, throughput (compl
 the first arrival to the last completion), errors by type, the skill hit rate from /metrics (blocks
 served from a tier / all blocks served, `skillcache_skill_hits_total` as a delta over the arm; none
 when the arm uses no skills), the prompt-token reuse ratio (sum reused_tokens / sum prompt_tokens) and
-the exact share (sum prefix_tokens / sum prompt_tokens: refined skill sequences, service/refine.py).
+the exact share (sum prefix_tokens / sum prompt_tokens: refined skill sequences, service/compose/refine.py).
 Rates run in the outer loop and arms in the inner one, so a --deadline-s cut drops the highest rates
 of every arm alike. Loopback only.
 

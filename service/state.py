@@ -10,10 +10,10 @@ from typing import Any
 
 from service.config import Settings
 from service.errors import NotReady, ServiceError
-from service.pipeline import ComposePipeline
+from service.compose.pipeline import ComposePipeline
 from service.registry.registry import SkillRegistry
 from service.runtime.worker import InferenceWorker
-from service.sessions import SessionManager
+from service.sessions.manager import SessionManager
 from service.store.factory import build_store
 
 log = logging.getLogger(__name__)

@@ -129,7 +129,7 @@ class ModelRuntime:
 
     def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS
                            ) -> Generator[Callable[[], Any], Any, KVBlock]:
-        """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/refine.py)."""
+        """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/compose/refine.py)."""
         cache, _ = yield from self.full_prefill_steps(ids, chunk)
         block = yield lambda: block_from_cache(cache, ids, self.fingerprint, base=0)
         return block
@@ -178,7 +178,7 @@ class ModelRuntime:
         canonical copy. full: the token-identical full recompute of plan.ids.
         A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
         already exactly what a full prefill computes, and the anchor's own K/V is cached.
-        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/refine.py),
+        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
         copied as is; composition starts after it.
         """
         t0 = time.perf_counter()

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from service import metrics
 from service.config import Settings
-from service.edits import check_fields, plan_edit
+from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
-from service.guard import FidelityGuard
-from service.refine import PrefixRefiner
+from service.compose.guard import FidelityGuard
+from service.compose.refine import PrefixRefiner
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams

@@ -27,7 +27,7 @@ from service.kv.block import LAYOUT_VERSION
 from service.store.key import BlockKey
 
 if TYPE_CHECKING:
-    from service.guard import FidelityGuard
+    from service.compose.guard import FidelityGuard
     from service.kv.block import KVBlock
     from service.runtime.prompt import PromptPlan
     from service.store.tiered import TieredStore

@@ -1,7 +1,7 @@
 """Sessions: the paper's edit+compose agent. Turn 0 composes the skills into the system turn; each
 later turn reuses the longest common cached prefix and prefills only the new tokens; changed fields
 arrive as erratum lines (current value only) at the head of the user turn. Live session KV is bounded
-(LRU by bytes, idle TTL); saved copies (session_store.py) let another replica resume a session.
+(LRU by bytes, idle TTL); saved copies (saved.py) let another replica resume a session.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from service import metrics
-from service.edits import check_fields, plan_edit
+from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
-from service.pipeline import ComposePipeline, Final, SkillRef
+from service.compose.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
-from service.session_store import SavedSessions, Session
+from service.sessions.saved import SavedSessions, Session
 
 log = logging.getLogger(__name__)
 
