@@ -70,7 +70,19 @@ class Settings(BaseSettings):
     max_skills_per_request: int = 16
     max_tokens_cap: int = 2048
     max_body_bytes: int = 4 * 1024 * 1024
-    queue_size: int = 32
+    queue_size: int = Field(32, ge=1, description="live work waiting to be admitted; beyond it 429 overloaded")
+
+    # the serving engine (service/runtime/serving): iteration-level scheduling
+    max_running_seqs: int = Field(16, ge=1, description="sequences decoding together in one batch; 1 serves one "
+                                  "request at a time (the serial engine, for A/B)")
+    step_token_budget: int = Field(512, ge=2, description="tokens per engine step: one per running sequence, the "
+                                   "rest for live prefill chunks")
+    prefill_chunk_tokens: int = Field(256, ge=1, description="a live prefill runs in forwards of at most this many "
+                                      "tokens, so running sequences keep decoding between them")
+    kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="K/V of the running sequences (decode batch and "
+                                 "prefill caches); a request that does not fit waits; one that never could is 413")
+    background_share: float = Field(0.2, ge=0.0, le=1.0, description="share of the engine's busy time that "
+                                    "background work (calibration, shadow checks, refinement) gets under load")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on SIGTERM, how long open responses (streams) may "
                                     "finish before they are cut and shutdown runs; below the orchestrator's grace")
 

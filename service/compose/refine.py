@@ -4,7 +4,7 @@ Composition is exact for the first skill of a prompt and approximate for the one
 compiled alone and never attended to the skills before them (docs/BENCHMARKS.md, Fidelity). A client that
 sends the same skills in the same order again and again (an agent re-sending its skills every turn through
 /v1/compose or /v1/chat/completions) need not live with that. Once a sequence has been composed
-SKILLCACHE_REFINE_AFTER times, the inference worker prefills it in full when it is idle, in chunks (a live
+SKILLCACHE_REFINE_AFTER times, the serving engine prefills it in full as background work, in chunks (a live
 request waits behind one chunk at most), and the result stays in the memory tier. Requests that open with
 that sequence then copy it as an exact prefix (no rotation, no seams) and compose only what follows.
 
@@ -80,7 +80,9 @@ class PrefixRefiner:
 
     async def _refine(self, key: BlockKey, ids: list[int]) -> None:
         try:
-            block = await self.guard.run_steps(self.rt.exact_prefix_steps(ids, self.chunk))  # a chunk per idle slot
+            block = await self.guard.run_background(self.rt.exact_prefix_steps(ids, self.chunk))
+            if block is None:
+                return  # the engine's background backlog was full: a later request tries again
             await self.store.put(key, block, ephemeral=True)
             self._seen.pop(str(key), None)
             metrics.REFINED_PREFIXES.inc()
