@@ -33,7 +33,8 @@ GEMMA = (
 )
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + (message['content'] | trim) + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ (message['content'] | trim) + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 # name -> (template, the special tokens it writes, the one that ends a turn: decoding stops there)
@@ -73,7 +74,8 @@ def _builtin(tokenizer, name: str) -> tuple[str, int]:
     template, markers, stop = BUILTIN_TEMPLATES[name]
     missing = [m for m in markers if _single_token(tokenizer, m) is None]
     if missing:
-        fits = [n for n, (_, ms, _) in BUILTIN_TEMPLATES.items() if all(_single_token(tokenizer, m) is not None for m in ms)]
+        fits = [n for n, (_, ms, _) in BUILTIN_TEMPLATES.items()
+                if all(_single_token(tokenizer, m) is not None for m in ms)]
         raise ModelLoadError(
             f"SKILLCACHE_CHAT_TEMPLATE={name}: this tokenizer has no single token for {', '.join(missing)}, so the "
             f"template's turns would be spelled out as text. Built-ins that fit this tokenizer: "

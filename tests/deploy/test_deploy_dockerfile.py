@@ -143,8 +143,8 @@ def _run_builder(tmp_path: Path, **env) -> tuple[int, list[str], str]:
     (venv / "bin").mkdir(parents=True)
     stub = (
         "#!/bin/sh\n"
-        f"echo \"BUILD=${{TORCH_BUILD-<unset>}}|INDEX=${{TORCH_INDEX_URL-<unset>}}|EXTRAS=${{SKILLCACHE_EXTRAS-<unset>}}"
-        f"|ARGS=$*\" >> {log}\n"
+        f"echo \"BUILD=${{TORCH_BUILD-<unset>}}|INDEX=${{TORCH_INDEX_URL-<unset>}}"
+        f"|EXTRAS=${{SKILLCACHE_EXTRAS-<unset>}}|ARGS=$*\" >> {log}\n"
     )
     (app / "scripts" / "install.sh").write_text(stub)
     (venv / "bin" / "python").write_text("#!/bin/sh\ncat > /dev/null\n")

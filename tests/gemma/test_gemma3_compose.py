@@ -13,7 +13,7 @@ from service.config import Settings
 pytestmark = pytest.mark.slow
 
 MSGS = [{"role": "system", "content": "You are a support agent for an online store."},
-        {"role": "user", "content": "My order arrived 10 days ago, unused. Can I get a refund? Answer APPROVE or DENY."}]
+        {"role": "user", "content": "My order arrived 10 days ago, unused. Refund? Answer APPROVE or DENY."}]
 
 
 def test_the_checkpoint_is_what_these_tests_claim(gemma_runtime):
