@@ -13,7 +13,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKILLCACHE_", env_file=".env", extra="ignore")
 
     # model
-    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a HF id / local dir")
+    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct), a .gguf file (converted once "
+                       "into model_cache), a HF id or a local directory")
+    chat_template: str | None = Field(None, description="override the tokenizer's chat template: a Jinja file or "
+                                      "chatml, gemma, llama3. Unset: the tokenizer's; none there: plain text")
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
@@ -99,6 +102,11 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_path_is_none(cls, v):
         """An empty variable means unset, not the current directory."""
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("skills_dir", mode="before")

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 * 1024 * 1024
 
 
-def _file_digest(path: Path, cache_file: Path | None) -> str:
+def file_digest(path: Path, cache_file: Path | None) -> str:
+    """sha256 of a file's bytes, remembered in `cache_file` by (resolved path, size, mtime): a file is read once
+    per change (weights for the fingerprint, GGUF files for their conversion's name)."""
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     cache: dict[str, str] = {}
@@ -58,7 +60,7 @@ def weights_digest(model: PreTrainedModel, source_files: list[Path], cache_file:
     if source_files:
         for p in source_files:
             h.update(p.name.encode())
-            h.update(_file_digest(p, cache_file).encode())
+            h.update(file_digest(p, cache_file).encode())
     else:
         for name, t in sorted(model.state_dict().items()):
             h.update(name.encode())
