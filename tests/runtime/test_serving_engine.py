@@ -248,3 +248,17 @@ def test_background_work_runs_lowest_priority_first():
     finally:
         loop.close()
     assert order == ["calibration", "refine-big", "refine-small", "shadow"]
+
+
+def test_token_stream_text_equals_a_full_decode_however_long(rt):
+    """The stream re-decodes a window, not the whole reply per token: its deltas still add up to the full text."""
+    from service.runtime.decode import TokenStream
+
+    text = "Refunds are allowed within 30 days of delivery — café, naïve, 😀 — when the item is unused. " * 12
+    ids = rt.tokenizer.encode(text, add_special_tokens=False)
+    stream = TokenStream(rt.tokenizer, set(), GenParams(max_tokens=len(ids)))
+    deltas = [d.text for t in ids for d in stream.push(t)]
+    done = stream.finish()
+    text = "".join(deltas + [d.text for d in done if isinstance(d, Delta)])
+    assert text == done[-1].text == rt.tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream._offset > 200  # it settled most of the reply
