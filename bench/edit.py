@@ -9,7 +9,7 @@ score = logit[first token of B] - logit[first token of A]; recovery = (score_edi
 (score_oracle - score_stale) (cases with |oracle - stale| < 1e-4 skipped); agreement = the arm's
 A-vs-B choice equals the oracle's. The oracle (`recompute`) is a full prefill of the new text.
 Every arm uses the service's own code path: blocks compiled once, composed at their offset with the
-default seam, edits planned by service.edits.plan_edit.
+default seam, edits planned by service.compose.edits.plan_edit.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def task_text(task) -> str:
 
 
 def run_task(rt, settings, task, seam: int) -> dict:
-    from service.edits import plan_edit
+    from service.compose.edits import plan_edit
     from service.registry.skill import SkillRecord, content_hash
 
     name, fld, old, new, _, a, b = task

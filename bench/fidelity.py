@@ -24,7 +24,7 @@ shortest length).
   d  the no-re-rotation control on part a's cases (--control-seams): blocks are copied at their
      canonical positions 0..N-1 (the rotator's move patched to the identity), seams still recomputed
   e  part a's cases as the service serves a repeated skill sequence (SKILLCACHE_REFINE_AFTER,
-     service/refine.py): the prompt through the last skill prefilled in SKILLCACHE_BACKGROUND_CHUNK_TOKENS
+     service/compose/refine.py): the prompt through the last skill prefilled in SKILLCACHE_BACKGROUND_CHUNK_TOKENS
      chunks (as the idle worker does) and copied as an exact prefix, at --default-seam
   f  why greedy continuations part: part a's cases decoded along the reference's own greedy path
      (teacher-forced, --greedy max tokens) with the full and the composed cache side by side. Per step:

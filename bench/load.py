@@ -31,7 +31,7 @@ the last one ends. Per arm and rate: p50/p90/p99 TTFT and e2e, throughput (compl
 the first arrival to the last completion), errors by type, the skill hit rate from /metrics (blocks
 served from a tier / all blocks served, `skillcache_skill_hits_total` as a delta over the arm; none
 when the arm uses no skills), the prompt-token reuse ratio (sum reused_tokens / sum prompt_tokens) and
-the exact share (sum prefix_tokens / sum prompt_tokens: refined skill sequences, service/refine.py).
+the exact share (sum prefix_tokens / sum prompt_tokens: refined skill sequences, service/compose/refine.py).
 Rates run in the outer loop and arms in the inner one, so a --deadline-s cut drops the highest rates
 of every arm alike. Loopback only.
 
@@ -107,8 +107,10 @@ def render(text: str, values: dict) -> str:
 
 
 # ---- the service ----------------------------------------------------------------------------
-def start_service(model: str | None, extra_env: list[str], threads: int, guard: bool) -> ServiceProcess:
-    """`python -m service` on a free loopback port with a fresh home (the converted-model cache reused)."""
+def start_service(model: str | None, extra_env: list[str], threads: int, guard: bool,
+                  src: str | None = None) -> ServiceProcess:
+    """`python -m service` on a free loopback port with a fresh home (the converted-model cache reused); `src`: the
+    source tree to run (another commit's checkout, for a side-by-side comparison)."""
     env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills")}
     if model:
         env["SKILLCACHE_MODEL"] = model
@@ -119,7 +121,8 @@ def start_service(model: str | None, extra_env: list[str], threads: int, guard: 
     for kv in extra_env:
         k, _, v = kv.partition("=")
         env[k] = v
-    return ServiceProcess(Path(tempfile.mkdtemp(prefix="skillcache-load-")), env, threads=threads or None).start()
+    return ServiceProcess(Path(tempfile.mkdtemp(prefix="skillcache-load-")), env, threads=threads or None,
+                          root=Path(src) if src else ROOT).start()
 
 
 _SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
@@ -480,6 +483,7 @@ def main() -> None:
     ap.add_argument("--url", help="a running service (loopback only); default: start one (--start)")
     ap.add_argument("--start", action="store_true", help="start `python -m service` on a free port (the default)")
     ap.add_argument("--model", help="SKILLCACHE_MODEL for the started service (default: its own default)")
+    ap.add_argument("--src", help="run the started service from this source tree (e.g. a checkout of an older commit)")
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="env for the started service (it does not inherit SKILLCACHE_* from this shell)")
     ap.add_argument("--server-threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
@@ -518,7 +522,7 @@ def main() -> None:
             raise SystemExit(f"--url must be a loopback address (got {host!r})")
         url = args.url.rstrip("/")
     else:
-        service = start_service(args.model, args.server_env, args.server_threads, args.guard)
+        service = start_service(args.model, args.server_env, args.server_threads, args.guard, args.src)
         print(f"starting the service on {service.url} (home {service.home})", flush=True)
     try:
         if service:

@@ -15,7 +15,7 @@ Arms, per prompt:
              moves KV can beat it.
   compose  - the blocks from the memory tier moved into place, the text around them prefilled
              (precompile excluded, as in the paper); seams swept on the moved prompt.
-  refined  - (moved) what the service serves once the same skill sequence repeats (service/refine.py):
+  refined  - (moved) what the service serves once the same skill sequence repeats (service/compose/refine.py):
              the prompt through the skill prefilled in full when idle (excluded) and copied as an exact
              prefix, then the tail prefilled. The floor's work through the service's own prefill path.
 Reported: medians, speedups vs full, compose / floor, and compose's breakdown.

@@ -19,6 +19,9 @@ class Settings(BaseSettings):
                                       "chatml, gemma, llama3. Unset: the tokenizer's; none there: plain text")
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "int8"] = Field("none", description="int8: the linear layers in int8 with one "
+                                                  "scale per output channel and per token (W8A8; activations, "
+                                                  "norms, attention and K/V stay in `dtype`): CPU speed")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's default (one per "
@@ -46,9 +49,9 @@ class Settings(BaseSettings):
     seam_candidates: list[int] = [0, 1, 2, 4, 8, 16, 32, 64]
     fidelity_min_cosine: float = Field(0.999, description="first-token logit cosine vs full recompute")
     fidelity_tie_margin: float = Field(0.05, description="top-1 counts only when p1 - p2 >= this")
-    refine_after: int = Field(2, ge=0, description="prefill a skill sequence (two skills or more, in order) in "
-                              "full when idle once it has been composed this many times; later requests opening "
-                              "with it copy it as an exact prefix. 0: off")
+    refine_after: int = Field(2, ge=0, description="prefill a prompt head (two skills or more, in order, and the "
+                              "system turn) in full in the background once it has been composed this many times; "
+                              "later requests opening with it copy it as an exact prefix. 0: off")
     background_chunk_tokens: int = Field(128, ge=1, description="tokens per step of a background full prefill "
                                          "(calibration, shadow checks, refinement): a live request waits behind one "
                                          "step at most")
@@ -73,7 +76,19 @@ class Settings(BaseSettings):
     max_skills_per_request: int = 16
     max_tokens_cap: int = 2048
     max_body_bytes: int = 4 * 1024 * 1024
-    queue_size: int = 32
+    queue_size: int = Field(32, ge=1, description="live work waiting to be admitted; beyond it 429 overloaded")
+
+    # the serving engine (service/runtime/serving): iteration-level scheduling
+    max_running_seqs: int = Field(16, ge=1, description="sequences decoding together in one batch; 1 serves one "
+                                  "request at a time (the serial engine, for A/B)")
+    step_token_budget: int = Field(512, ge=2, description="tokens per engine step: one per running sequence, the "
+                                   "rest for live prefill chunks")
+    prefill_chunk_tokens: int = Field(256, ge=1, description="a live prefill runs in forwards of at most this many "
+                                      "tokens, so running sequences keep decoding between them")
+    kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="K/V of the running sequences (decode batch and "
+                                 "prefill caches); a request that does not fit waits; one that never could is 413")
+    background_share: float = Field(0.2, ge=0.0, le=1.0, description="share of the engine's busy time that "
+                                    "background work (calibration, shadow checks, refinement) gets under load")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on SIGTERM, how long open responses (streams) may "
                                     "finish before they are cut and shutdown runs; below the orchestrator's grace")
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from service.config import Settings
 from service.errors import NotReady, ServiceError
-from service.pipeline import ComposePipeline
+from service.compose.pipeline import ComposePipeline
 from service.registry.registry import SkillRegistry
-from service.runtime.worker import InferenceWorker
-from service.sessions import SessionManager
+from service.runtime.serving import EngineConfig, ServingEngine
+from service.sessions.manager import SessionManager
 from service.store.factory import build_store
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class AppState:
         self.settings = settings
         self.runtime = runtime  # injected by tests; otherwise loaded in the background
         self.store, self.definitions = build_store(settings)
-        self.worker = InferenceWorker(settings.queue_size)
+        self.engine = ServingEngine(EngineConfig.from_settings(settings))
         self.registry: SkillRegistry | None = None
         self.pipeline: ComposePipeline | None = None
         self.sessions: SessionManager | None = None
@@ -60,17 +60,18 @@ class AppState:
                 self.runtime = await asyncio.to_thread(build_runtime, self.settings)
             from service.runtime.selfcheck import run_selfcheck
 
-            report = await self.worker.run(lambda cancelled: run_selfcheck(self.runtime))
+            report = await self.engine.run(lambda cancelled: run_selfcheck(self.runtime))
             self.selfcheck = report.to_dict()
             if not report.ok:
                 log.error("self-check failed: %s", self.selfcheck)
                 return
             rt = self.runtime
+            await self.engine.run(lambda cancelled: self.engine.bind(rt))
             self.registry = SkillRegistry(
                 self.definitions, lambda text: len(rt.prompts.encode_content(text)), rt.fingerprint,
                 self.settings.max_skill_tokens, rt.max_positions,
             )
-            self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.worker)
+            self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.engine)
             self.sessions = SessionManager(self.pipeline)
             self.sessions.saved.start_sweeper()
             await self._preload_skills()
@@ -144,6 +145,6 @@ class AppState:
         if self.sessions is not None:
             self.sessions.saved.stop_sweeper()
             await self.sessions.drain()
-        self.worker.stop()
+        self.engine.stop()
         await self.store.close()
         await self.definitions.close()

@@ -38,3 +38,15 @@ def test_fidelity_margin_part_runs_on_a_random_weight_config(tmp_path):
     assert pair["n_skills"] == 2 and pair["max_shift"] > single["max_shift"]
     summary = json.loads(out.read_text())["summary"]["f_margins_by_n_skills"]
     assert [s["n_skills"] for s in summary] == [1, 2] and set(summary[1]["gate"]) == {"0.25", "0.5", "1.0", "2.0"}
+
+
+def test_decode_bench_runs_both_arms_on_a_random_weight_config(tmp_path):
+    """bench/decode.py (the GPU script's batching arms) on the two-layer llama-smoke shape, on CPU."""
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "SKILLCACHE_BENCH_TOKENIZER": ""}
+    subprocess.run([sys.executable, "bench/decode.py", "--model", "llama-smoke", "--device", "cpu", "--contexts", "64",
+                    "--batch", "1", "2", "--steps", "2", "--warmup", "1", "--json", str(out)], cwd=ROOT, env=env,
+                   check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["arm"], r["batch"]) for r in rows] == [("dynamic", 1), ("batched", 1), ("batched", 2)]
+    assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 for r in rows)

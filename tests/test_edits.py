@@ -3,7 +3,7 @@
 import torch
 
 from service.config import Settings
-from service.edits import plan_edit
+from service.compose.edits import plan_edit
 from service.registry.skill import SkillRecord, content_hash
 from tiny import tiny_runtime
 

@@ -90,39 +90,33 @@ def test_broken_composition_is_caught_and_served_by_full_prefill(tmp_path, embed
         assert c.get("/v1/skills/refund-policy").json()["degraded"]
 
 
-def test_calibration_runs_the_model_only_inside_its_steps(monkeypatch):
-    """The guard advances the step generator on the event loop and runs each step on the worker, so any
-    model call made between steps would race the worker: there must be none."""
-    from service.runtime.calibrate import calibration_steps
+def test_calibration_steps_report_the_tokens_they_run(monkeypatch):
+    """The serving engine budgets background work by what each step yields: every model call happens inside a
+    step, and a step runs at most `chunk` tokens and yields how many it ran."""
+    from service.runtime.calibrate import calibrate, calibration_steps
 
     rt = tiny_runtime("llama")
     block = rt.compile_block(random_ids(24, seed=22))
-    inside, outside_calls = [False], []
+    calibrate(rt, block, [0, 4], min_cosine=0.999, tie_margin=0.05)  # warm: the anchor's K/V is computed once
+    ran = []
     forward = rt.forward
-
-    def watched(*a, **k):
-        if not inside[0]:
-            outside_calls.append(a[1])
-        return forward(*a, **k)
-
-    monkeypatch.setattr(rt, "forward", watched)
-    steps = calibration_steps(rt, block, [0, 4], min_cosine=0.999, tie_margin=0.05)
-    result, n_steps = None, 0
+    monkeypatch.setattr(rt, "forward", lambda ids, start, cache: ran.append(len(ids)) or forward(ids, start, cache))
+    steps = calibration_steps(rt, block, [0, 4], min_cosine=0.999, tie_margin=0.05, chunk=8)
+    n_steps = 0
     try:
         while True:
-            step = steps.send(result)
-            inside[0] = True
-            result = step()
-            inside[0] = False
+            ran.clear()
+            n = next(steps)
+            assert n == sum(ran) and 0 < n <= 8, (n, ran)
             n_steps += 1
     except StopIteration as done:
-        assert done.value.n_probes == 2
-    assert outside_calls == [] and n_steps > 4
+        assert done.value.n_probes == 2 and not ran
+    assert n_steps > 4
 
 
 def test_shadow_full_prefill_runs_in_chunks(tmp_path, monkeypatch):
     """A live request waits behind one background step at most: the shadow's full prefill is split into
-    SKILLCACHE_BACKGROUND_CHUNK_TOKENS-token steps, each run when the worker is idle."""
+    SKILLCACHE_BACKGROUND_CHUNK_TOKENS-token steps of the engine's background work."""
     with make_client(tmp_path, shadow_sample_rate=1.0, background_chunk_tokens=8) as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)

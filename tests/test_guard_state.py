@@ -1,7 +1,7 @@
 """Fidelity guard state over a skill's life: one calibration per block, deletes, one-off variant blocks.
 
-The guard's background jobs wait for its idle slot (`guard._idle`); holding it keeps them in flight, so
-each test decides what a job sees when it runs instead of racing it."""
+The guard's background jobs run as the engine's background work; pausing it (`engine.pause_background`) keeps
+them in flight, so each test decides what a job sees when it runs instead of racing it."""
 
 from appclient import make_client
 from service import metrics
@@ -26,14 +26,14 @@ def test_one_calibration_per_block_in_flight(tmp_path):
         guard = state.pipeline.guard
         assert c.post("/v1/skills?compile=false", json={"name": "a", "text": TEXT}).status_code == 201
         before = _total(metrics.CALIBRATIONS)
-        c.portal.call(guard._idle.acquire)  # no background job runs until released
+        state.engine.pause_background()  # no background job runs until resumed
         try:
             for i in range(12):
                 r = c.post("/v1/compose", json={"skills": ["a"], "user": f"hi {i}", "max_tokens": 1})
                 assert r.status_code == 200
             assert len(guard._bg) == 1
         finally:
-            c.portal.call(guard._idle.release)
+            state.engine.resume_background()
         c.portal.call(guard.drain)
         assert _total(metrics.CALIBRATIONS) - before == 1
         assert c.get("/v1/skills/a").json()["calibration"] is not None
@@ -47,13 +47,13 @@ def test_a_late_calibration_does_not_restore_a_deleted_skill(tmp_path):
         c.portal.call(state.wait_ready)
         p = state.pipeline
         key = p.registry.block_key("default", TEXT)
-        c.portal.call(p.guard._idle.acquire)
+        state.engine.pause_background()
         try:
             assert c.post("/v1/skills", json={"name": "b", "text": TEXT}).status_code == 201  # calibration pending
             assert len(p.guard._bg) == 1
             assert c.delete("/v1/skills/b").status_code == 200
         finally:
-            c.portal.call(p.guard._idle.release)
+            state.engine.resume_background()
         c.portal.call(p.guard.drain)  # the calibration runs to its end
         assert not c.portal.call(p.store.contains, key)
         assert not list((tmp_path / "store").rglob(f"*{key.content_hash}*"))
@@ -90,13 +90,13 @@ def test_a_shadow_check_finishing_after_the_delete_leaves_no_state(tmp_path):
         c.portal.call(state.wait_ready)
         guard = state.pipeline.guard
         assert c.post("/v1/skills", json={"name": "d", "text": TEXT}).status_code == 201
-        c.portal.call(guard._idle.acquire)
+        state.engine.pause_background()
         try:
             assert c.post("/v1/compose", json={"skills": ["d"], "user": "hi", "max_tokens": 1}).status_code == 200
             assert len(guard._bg) == 1  # its shadow check, waiting
             assert c.delete("/v1/skills/d").status_code == 200
         finally:
-            c.portal.call(guard._idle.release)
+            state.engine.resume_background()
         c.portal.call(guard.drain)  # the check fails, for a skill that is gone
         assert not guard.degraded and not guard.shadow and _gauge() == 0
         assert c.post("/v1/skills", json={"name": "d", "text": TEXT}).status_code == 201

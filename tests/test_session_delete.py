@@ -15,7 +15,7 @@ from appclient import make_client
 from redis_server import RedisServer, redis_or_skip
 from service.errors import SessionNotFound
 from service.runtime.params import GenParams
-from service.session_store import SavedSessions, Session
+from service.sessions.saved import SavedSessions, Session
 from service.store import (DiskBlockStore, DiskDefinitionStore, MemoryBlockStore, RedisBlockStore,
                            RedisDefinitionStore, TieredStore)
 

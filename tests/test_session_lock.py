@@ -11,7 +11,7 @@ import pytest
 from test_sessions import app  # noqa: F401  (the same app fixture: the policy skill registered)
 
 
-async def _hang_up(app, path: str, body: dict, at: str, spec: str, worker) -> None:
+async def _hang_up(app, path: str, body: dict, at: str, spec: str, engine) -> None:
     """One request straight through the ASGI app; the client hangs up while the server sends message `at`
     (`http.response.start`, or the first `http.response.body`). ASGI spec 2.4 servers make that send fail; older
     ones (uvicorn) drop writes after a disconnect and report it to `receive`, and Starlette cancels the response."""
@@ -31,7 +31,7 @@ async def _hang_up(app, path: str, body: dict, at: str, spec: str, worker) -> No
         return {"type": "http.disconnect"}
 
     async def send(message):
-        while worker.busy:  # a slow client: the whole (short) reply is queued before anything goes out
+        while engine.busy:  # a slow client: the whole (short) reply is queued before anything goes out
             await asyncio.sleep(0.01)
         if message["type"] == at and not gone.is_set():
             gone.set()
@@ -64,7 +64,7 @@ def test_turn_lock_is_released_when_a_streaming_client_hangs_up(app, at, spec):
     gc.disable()
     try:
         app.portal.call(_hang_up, app.app, f"/v1/sessions/{sid}/turns",
-                        {"user": "Refund?", "max_tokens": 2, "stream": True}, at, spec, mgr.p.worker)
+                        {"user": "Refund?", "max_tokens": 2, "stream": True}, at, spec, mgr.p.engine)
         assert held and not mgr.live[sid].lock.locked()
     finally:
         gc.enable()

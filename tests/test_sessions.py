@@ -141,7 +141,7 @@ def test_saved_sessions_expire_after_the_store_ttl(tmp_path):
     deleted by the sweep, and a resume past the TTL is a 404 even before a sweep ran; fresh ones stay."""
     import time
 
-    from service.session_store import Session
+    from service.sessions.saved import Session
 
     with make_client(tmp_path, session_store_ttl_s=3600, session_max_bytes=1) as c:
         state = c.app.state.skillcache

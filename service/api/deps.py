@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.api.auth import Principal, authenticate
-from service.pipeline import ComposePipeline
-from service.sessions import SessionManager
+from service.compose.pipeline import ComposePipeline
+from service.sessions.manager import SessionManager
 from service.state import AppState
 
 

@@ -12,14 +12,12 @@ even float rounding, and say nothing about the method). No passing candidate -> 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
 from service.kv.block import KVBlock
-from service.runtime.engine import BACKGROUND_CHUNK_TOKENS, ModelRuntime, run_steps
+from service.runtime.engine import BACKGROUND_CHUNK_TOKENS, ModelRuntime, Steps, run_steps
 
 _PROBES = [  # (system text, neighbour text or None, user turn)
     ("You are a helpful assistant.", None, "What should I do first?"),
@@ -49,21 +47,17 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
 
 
 def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-                      tie_margin: float, chunk: int = BACKGROUND_CHUNK_TOKENS
-                      ) -> Generator[Callable[[], Any], Any, Calibration]:
-    """Calibration as a sequence of steps: yields a closure, receives its result.
-
-    The caller runs each step when the inference worker is idle, so a live request waits behind one
-    step of calibration work at most: one composed prefill, or `chunk` tokens of a full one.
-    """
+                      tie_margin: float, chunk: int = BACKGROUND_CHUNK_TOKENS) -> Steps:
+    """Calibration as steps of at most `chunk` tokens through the model (engine.Steps): the serving engine runs
+    them in its background share, so a live request waits behind one step of calibration work at most."""
     t0 = time.perf_counter()
     cases = []  # (plan, blocks, full-recompute logits, seams for a candidate k)
     for system, neighbour_text, user in _PROBES:
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         if neighbour_text:  # a skill before this one, always recomputed whole: only this block's seam varies
             n_ids = rt.prompts.encode_content(neighbour_text)
-            # a step like the others: model work runs only where the caller runs steps (the worker)
-            blocks = [(yield (lambda n_ids=n_ids: rt.compile_block(n_ids))), block]  # its tensors go unused
+            neighbour = yield from rt.compile_block_steps(n_ids, chunk=chunk)  # its tensors go unused
+            blocks = [neighbour, block]
             seams = lambda k, n=len(n_ids): [n, k]  # noqa: E731
         else:
             blocks, seams = [block], lambda k: k  # noqa: E731
@@ -74,8 +68,7 @@ def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], m
     for k in sorted(set(c for c in candidates if c < block.n_tokens)) + [block.n_tokens]:
         cos, agree, decisive = 1.0, 0, 0
         for plan, blocks, full, seams in cases:
-            comp = yield (lambda plan=plan, blocks=blocks, k=k, seams=seams:
-                          rt.prefill(plan, blocks, mode="compose", seam_tokens=seams(k)).logits)
+            comp = (yield from rt.prefill_steps(plan, blocks, mode="compose", seam_tokens=seams(k), chunk=chunk)).logits
             cos = min(cos, float(torch.nn.functional.cosine_similarity(comp, full, dim=0)))
             if _decisive(full, tie_margin):
                 decisive += 1

@@ -1,4 +1,8 @@
-"""Token-by-token decoding: greedy or sampled (temperature, top_p, seed), stop strings, streaming."""
+"""Decoding: sampling (greedy or temperature / top_p / seed), a request's output stream, and an inline decoder.
+
+`TokenStream` turns one request's sampled ids into text deltas and its final `Done`; the serving engine keeps one
+per running sequence and `generate` (tests, benchmarks) drives one alone, so both emit the same text.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from service.runtime.engine import ModelRuntime, PrefillResult
 from service.runtime.params import Delta, Done, GenParams
 
 
@@ -26,60 +29,89 @@ def sample_token(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def top_logprobs(rt: ModelRuntime, logits: torch.Tensor, k: int) -> list[tuple[str, float]]:
+def top_logprobs(tokenizer, logits: torch.Tensor, k: int) -> list[tuple[str, float]]:
     lp = torch.log_softmax(logits, dim=-1)
     vals, ids = torch.topk(lp, k)
-    return [(rt.tokenizer.decode([int(i)]), float(v)) for v, i in zip(vals, ids)]
+    return [(tokenizer.decode([int(i)]), float(v)) for v, i in zip(vals, ids)]
 
 
-def generate(
-    rt: ModelRuntime, pre: PrefillResult, p: GenParams, cancelled: Callable[[], bool] = lambda: False
-) -> Iterator[Delta | Done]:
-    """Decode from a prefilled cache. Yields text deltas, then one Done.
+class TokenStream:
+    """One request's output. `push(token)` returns the text deltas it releases; `reason` is set once the request is
+    finished (EOS, a stop string, max_tokens); `finish()` returns the remaining text and the Done.
 
-    Text that could still be the start of a stop string, or an incomplete UTF-8 sequence, is held
-    back until it is resolved, so a stop string never leaks into the stream.
+    Text that could still be the start of a stop string, or an incomplete UTF-8 sequence, is held back until it is
+    resolved, so a stop string never leaks into the stream.
     """
-    gen = None
-    if p.temperature > 0:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(p.seed if p.seed is not None else torch.seed())
-    logits, pos, ids = pre.logits.cpu(), pre.n_prompt, []
-    first_top = top_logprobs(rt, logits, p.logprobs) if p.logprobs else None
-    emitted, holdback = 0, max((len(s) for s in p.stop), default=1) - 1
-    reason = "length"
+
+    def __init__(self, tokenizer, eos_ids: set[int], p: GenParams, first_logits: torch.Tensor | None = None) -> None:
+        self.tok, self.eos_ids, self.p = tokenizer, eos_ids, p
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.holdback = max((len(s) for s in p.stop), default=1) - 1
+        self.reason: str | None = None
+        self.gen: torch.Generator | None = None
+        if p.temperature > 0:
+            self.gen = torch.Generator(device="cpu")
+            self.gen.manual_seed(p.seed if p.seed is not None else torch.seed())
+        self.first_top = top_logprobs(tokenizer, first_logits, p.logprobs) if p.logprobs and first_logits is not None \
+            else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.p.temperature <= 0
+
+    def sample(self, logits: torch.Tensor) -> int:
+        return sample_token(logits, self.p, self.gen)
+
+    def push(self, tok: int) -> list[Delta]:
+        if tok in self.eos_ids:
+            self.reason = "stop"
+            return []
+        self.ids.append(tok)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        out: list[Delta] = []
+        cut = min((i for i in (text.find(s, max(0, self.emitted - self.holdback)) for s in self.p.stop if s)
+                   if i >= 0), default=-1)
+        if cut >= 0:
+            if cut > self.emitted:
+                out.append(Delta(text[self.emitted:cut]))
+            self.emitted, self.reason = cut, "stop"
+            return out
+        safe = len(text) - self.holdback
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text.rstrip("\ufffd")))
+        if safe > self.emitted:
+            out.append(Delta(text[self.emitted:safe]))
+            self.emitted = safe
+        if len(self.ids) >= self.p.max_tokens:
+            self.reason = "length"
+        return out
+
+    def finish(self, reason: str | None = None) -> list[Delta | Done]:
+        """The rest of the text and the Done; `reason` (e.g. "cancelled") when the stream ended early."""
+        reason = self.reason or reason or "length"
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if reason == "stop" and self.p.stop:
+            cuts = [i for i in (text.find(s) for s in self.p.stop if s) if i >= 0]
+            text = text[: min(cuts)] if cuts else text
+        out: list[Delta | Done] = [Delta(text[self.emitted:])] if len(text) > self.emitted else []
+        out.append(Done(reason, text, list(self.ids), self.first_top))
+        return out
+
+
+def generate(rt, pre, p: GenParams, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Delta | Done]:
+    """Decode one request alone from its prefilled cache (`pre`: a PrefillResult), one forward per token. Yields text
+    deltas, then one Done. The serving engine decodes in batches instead (service/runtime/serving)."""
+    stream = TokenStream(rt.tokenizer, rt.eos_ids, p, pre.logits)
+    logits, pos = pre.logits.cpu(), pre.n_prompt
     with torch.inference_mode():
-        while len(ids) < p.max_tokens:
+        while True:
             if cancelled():
-                reason = "cancelled"
+                yield from stream.finish("cancelled")
+                return
+            yield from stream.push(stream.sample(logits))
+            if stream.reason is not None:
                 break
-            tok = sample_token(logits, p, gen)
-            if tok in rt.eos_ids:
-                reason = "stop"
-                break
-            ids.append(tok)
-            text = rt.tokenizer.decode(ids, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s, max(0, emitted - holdback)) for s in p.stop if s) if i >= 0), default=-1)
-            if cut >= 0:
-                if cut > emitted:
-                    yield Delta(text[emitted:cut])
-                emitted, reason = cut, "stop"
-                text = text[:cut]
-                break
-            safe = len(text) - holdback
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text.rstrip("\ufffd")))
-            if safe > emitted:
-                yield Delta(text[emitted:safe])
-                emitted = safe
-            if len(ids) >= p.max_tokens:
-                break
-            logits = rt.forward([tok], pos, pre.cache).cpu()
+            logits = rt.forward([stream.ids[-1]], pos, pre.cache).cpu()
             pos += 1
-    text = rt.tokenizer.decode(ids, skip_special_tokens=True)
-    if reason == "stop" and p.stop:
-        cuts = [i for i in (text.find(s) for s in p.stop if s) if i >= 0]
-        text = text[: min(cuts)] if cuts else text
-    if len(text) > emitted:
-        yield Delta(text[emitted:])
-    yield Done(reason, text, ids, first_top)
+    yield from stream.finish()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from transformers import DynamicCache
 
 from service.errors import ContextTooLong, InvalidRequest
 from service.kv.block import KVBlock
-from service.kv.cache import append_block, append_kv, block_from_cache, new_cache
+from service.kv.cache import append_block, append_kv, block_from_cache, cache_bytes, new_cache, truncate
 from service.kv.rope import KeyRotator
 from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
@@ -35,15 +34,18 @@ class PrefillResult:
     seams: dict[int, int] = field(default_factory=dict)  # skill index -> seam tokens recomputed (composed skills)
 
 
-def run_steps(steps: Generator[Callable[[], Any], Any, Any]) -> Any:
-    """Run a step generator (exact_prefix_steps, calibration_steps) inline: each step's result is sent back;
-    returns the generator's value. The service instead runs each step on the worker when it is idle."""
-    result = None
-    try:
-        while True:
-            result = steps.send(result)()
-    except StopIteration as done:
-        return done.value
+Steps = Generator[int, None, Any]  # work in steps: yields the tokens each step ran through the model
+
+
+def run_steps(steps: Steps) -> Any:
+    """Run a step generator (prefill_steps, full_prefill_steps, calibration_steps...) to its end, inline; returns
+    its value. The serving engine instead advances one step at a time between decode steps, within a token budget
+    (service/runtime/serving)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -73,6 +75,7 @@ class ModelRuntime:
         self.prompts = PromptBuilder(self.tokenizer)
         self.anchor = self.prompts.skill_anchor()  # what precedes the first skill in every prompt
         self._anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # L x [1, H_kv, A, D], lazily
+        self._bytes_per_token: int | None = None
         self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -89,7 +92,21 @@ class ModelRuntime:
         out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()  # [V]
 
-    def compile_block(self, token_ids: list[int], anchor: list[int] | None = None) -> KVBlock:
+    @torch.inference_mode()
+    def forward_steps(self, ids: list[int], start: int, cache: DynamicCache, chunk: int | None = None) -> Steps:
+        """forward() in pieces of at most `chunk` tokens (None: one piece), a step each -> last logits [V].
+        Chunking changes the result at float-rounding level only (docs/BENCHMARKS.md: KL ~3e-7)."""
+        chunk = chunk or max(1, len(ids))
+        logits = None
+        for lo in range(0, len(ids), chunk):
+            piece = ids[lo:lo + chunk]
+            logits = self.forward(piece, start + lo, cache)
+            yield len(piece)
+        return logits
+
+    @torch.inference_mode()
+    def compile_block_steps(self, token_ids: list[int], anchor: list[int] | None = None,
+                            chunk: int | None = None) -> Steps:
         """Prefill a skill's ids after `anchor` (default: the template's opening, self.anchor) -> KVBlock
         at positions len(anchor)..len(anchor)+N-1. `anchor=[]`: the ids alone at 0..N-1.
 
@@ -100,14 +117,16 @@ class ModelRuntime:
         if not token_ids:
             raise InvalidRequest("a skill must contain at least one token of text")
         anchor = self.anchor if anchor is None else anchor
-        cache = new_cache(self.model.config)
-        if anchor:
-            self.forward(anchor, 0, cache)
-        self.forward(token_ids, len(anchor), cache)
+        cache = new_cache(self.model.config, reserve_tokens=len(anchor) + len(token_ids))
+        yield from self.forward_steps(list(anchor) + list(token_ids), 0, cache, chunk)
         block = block_from_cache(cache, token_ids, self.fingerprint, base=len(anchor))
         block.meta["dtype"] = str(block.dtype).removeprefix("torch.")
         return block
 
+    def compile_block(self, token_ids: list[int], anchor: list[int] | None = None) -> KVBlock:
+        return run_steps(self.compile_block_steps(token_ids, anchor))
+
+    @torch.inference_mode()
     def _append_anchor(self, cache: DynamicCache) -> None:
         """Append the anchor's K/V (computed once per runtime: it opens every prompt) to an empty cache."""
         if self._anchor_kv is None:
@@ -116,35 +135,56 @@ class ModelRuntime:
             self._anchor_kv = [(layer.keys, layer.values) for layer in tmp.layers]
         append_kv(cache, [k for k, _ in self._anchor_kv], [v for _, v in self._anchor_kv])
 
-    def full_prefill_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS
-                           ) -> Generator[Callable[[], Any], Any, tuple[DynamicCache, torch.Tensor]]:
-        """The full prefill of `ids` at 0..N-1 as steps of at most `chunk` tokens -> (cache, last logits [V]).
-        Yields closures and receives their results (run_steps, FidelityGuard.run_steps): background work that runs
-        each step when the worker is idle delays a live request by one chunk at most. Chunking changes the result
-        at float-rounding level only (docs/BENCHMARKS.md: KL ~3e-7)."""
-        cache, logits = new_cache(self.model.config), None
-        for lo in range(0, len(ids), chunk):
-            logits = yield lambda lo=lo: self.forward(ids[lo:lo + chunk], lo, cache)
+    @torch.inference_mode()
+    def full_prefill_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS) -> Steps:
+        """The full prefill of `ids` at 0..N-1 in steps of at most `chunk` tokens -> (cache, last logits [V])."""
+        cache = new_cache(self.model.config, reserve_tokens=len(ids))
+        logits = yield from self.forward_steps(ids, 0, cache, chunk)
         return cache, logits
 
-    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS
-                           ) -> Generator[Callable[[], Any], Any, KVBlock]:
-        """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/refine.py)."""
-        cache, _ = yield from self.full_prefill_steps(ids, chunk)
-        block = yield lambda: block_from_cache(cache, ids, self.fingerprint, base=0)
-        return block
+    @torch.inference_mode()
+    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS,
+                           held: KVBlock | None = None) -> Steps:
+        """The full prefill of `ids` as a base-0 block: a refined prefix (service/compose/refine.py). `held`: an
+        exact prefix of `ids` already refined; only the tokens after it are prefilled."""
+        k = 0
+        cache = new_cache(self.model.config, reserve_tokens=len(ids))
+        if held is not None and held.base == 0 and 0 < held.n_tokens < len(ids) and ids[:held.n_tokens] == held.token_ids:
+            append_kv(cache, held.keys, held.values)
+            k = held.n_tokens
+        yield from self.forward_steps(ids[k:], k, cache, chunk)
+        return block_from_cache(cache, ids, self.fingerprint, base=0)
+
+    @torch.inference_mode()
+    def extend_steps(self, cache: DynamicCache, cached_ids: list[int], ids: list[int], chunk: int | None = None
+                     ) -> Steps:
+        """A session turn: keep the cache's longest common prefix with `ids` (at least one token is recomputed: it
+        gives the next-token logits), prefill the rest -> PrefillResult on the same cache."""
+        t0 = time.perf_counter()
+        lcp = next((i for i, (a, b) in enumerate(zip(cached_ids, ids)) if a != b), min(len(cached_ids), len(ids)))
+        lcp = min(lcp, len(ids) - 1, cache.get_seq_length())
+        truncate(cache, lcp)
+        logits = yield from self.forward_steps(ids[lcp:], lcp, cache, chunk)
+        ms = (time.perf_counter() - t0) * 1e3
+        return PrefillResult(cache, logits, len(ids), lcp, len(ids) - lcp, {"prefill_ms": ms})
 
     def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
-        """Copy an exact prefix (plan.ids[:N], N at a segment boundary) into the empty cache; return the
-        segments after it."""
+        """Copy an exact prefix (plan.ids[:N]: it ends at a segment boundary or inside a text segment, before the
+        prompt's end) into the empty cache; return the segments after it (a text segment cut at N keeps its rest)."""
         n = prefix.n_tokens
-        if plan.ids[:n] != prefix.token_ids:
-            raise InvalidRequest("internal: the prefix's ids differ from the prompt's")
-        ends = list(itertools.accumulate(len(seg.ids) for seg in plan.segments))
-        if n not in ends[:-1]:
-            raise InvalidRequest("internal: a prefix must end at a segment boundary, before the prompt's end")
+        if plan.ids[:n] != prefix.token_ids or n >= plan.n_tokens:
+            raise InvalidRequest("internal: the prefix's ids differ from the prompt's, or leave nothing to run")
+        start = 0
+        for i, seg in enumerate(plan.segments):
+            end = start + len(seg.ids)
+            if end > n:
+                if start < n and seg.kind != "text":
+                    raise InvalidRequest("internal: a prefix may not end inside a skill block")
+                rest = [Segment("text", seg.ids[n - start:])] if start < n else [seg]
+                break
+            start = end
         append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
-        return plan.segments[ends.index(n) + 1:]
+        return rest + plan.segments[i + 1:]
 
     def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
         """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
@@ -154,6 +194,14 @@ class ModelRuntime:
         text, skill = plan.segments[0], plan.segments[1]
         return (text.kind == "text" and text.ids == self.anchor and skill.kind == "skill"
                 and blocks[skill.skill_index].base == a)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take over every layer (measured: a one-token forward; MLA caches differ)."""
+        if self._bytes_per_token is None:
+            cache = new_cache(self.model.config)
+            self.forward(self.anchor[:1] or [0], 0, cache)
+            self._bytes_per_token = cache_bytes(cache)
+        return self._bytes_per_token
 
     # ---- prompt cache ---------------------------------------------------------------------
     def check_length(self, n_prompt: int, max_new_tokens: int, mode: Mode) -> None:
@@ -166,25 +214,32 @@ class ModelRuntime:
         if mode == "compose":
             self.rotator.check_positions(total - 1)
 
+    def prefill(self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose",
+                seam_tokens: int | list[int] = 4, prefix: KVBlock | None = None) -> PrefillResult:
+        """prefill_steps run inline, each text run in one forward."""
+        return run_steps(self.prefill_steps(plan, blocks, mode, seam_tokens, prefix))
+
     @torch.inference_mode()
-    def prefill(
+    def prefill_steps(
         self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
-        prefix: KVBlock | None = None,
-    ) -> PrefillResult:
-        """Build the request's cache for `plan` and return the next-token logits.
+        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0,
+    ) -> Steps:
+        """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
+        forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
 
         compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the model
         against the real preceding context; the rest of each block is re-rotated from its
         canonical copy. full: the token-identical full recompute of plan.ids.
         A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
         already exactly what a full prefill computes, and the anchor's own K/V is cached.
-        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/refine.py),
-        copied as is; composition starts after it.
+        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
+        copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
+        decode), so its buffers are allocated once.
         """
         t0 = time.perf_counter()
-        cache = new_cache(self.model.config)
+        cache = new_cache(self.model.config, reserve_tokens=max(reserve_tokens, plan.n_tokens))
         if mode == "full" or not any(s.kind == "skill" for s in plan.segments):
-            logits = self.forward(plan.ids, 0, cache)
+            logits = yield from self.forward_steps(plan.ids, 0, cache, chunk)
             ms = (time.perf_counter() - t0) * 1e3
             return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
@@ -199,11 +254,11 @@ class ModelRuntime:
             self._append_anchor(cache)
             pos, segments, exact_first = len(self.anchor), plan.segments[1:], plan.segments[1].skill_index
 
-        def flush() -> None:
+        def flush():
             nonlocal pending, t_text
             if pending:
                 t1 = time.perf_counter()
-                self.forward(pending, pos - len(pending), cache)
+                yield from self.forward_steps(pending, pos - len(pending), cache, chunk)
                 t_text += time.perf_counter() - t1
                 pending = []
 
@@ -226,7 +281,7 @@ class ModelRuntime:
             start, cursor = pos, 0  # start: the block's offset in the prompt
             for s, e in spans + [(block.n_tokens, block.n_tokens)]:
                 if s > cursor:  # copy block tokens [cursor, s), moved to start + i
-                    flush()
+                    yield from flush()
                     t1 = time.perf_counter()
                     n_reused += append_block(cache, block, cursor, s, offset=start, rotator=self.rotator)
                     t_rotate += time.perf_counter() - t1
@@ -235,7 +290,7 @@ class ModelRuntime:
         if not pending:
             raise InvalidRequest("internal: the prompt must end with text after the last skill")
         t1 = time.perf_counter()
-        logits = self.forward(pending, pos - len(pending), cache)
+        logits = yield from self.forward_steps(pending, pos - len(pending), cache, chunk)
         t_tail = time.perf_counter() - t1
         total_ms = (time.perf_counter() - t0) * 1e3
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,

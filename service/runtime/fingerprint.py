@@ -88,6 +88,7 @@ def model_fingerprint(
     source_files: list[Path],
     dtype: torch.dtype,
     cache_file: Path | None = None,
+    quantization: str = "none",
 ) -> str:
     """A short stable id: sha256 over weights, tokenizer + templates, the text config, dtype, layout."""
     # the whole text config: any field can change the K/V (rms_norm_eps, layer_types, no_rope_layers,
@@ -101,4 +102,6 @@ def model_fingerprint(
         "dtype": str(dtype),
         "layout": LAYOUT_VERSION,
     }
+    if quantization != "none":  # absent for unquantized models: their fingerprints stay what they were
+        parts["quantization"] = quantization
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -118,12 +118,12 @@ def test_overload_returns_429(skills):
     import threading
 
     gate = threading.Event()
-    worker = state.worker
+    engine = state.engine
     blockers = []
     try:
-        # occupy the worker and fill the queue, then one more request must be shed
-        for _ in range(worker.queue.maxsize + 1):
-            blockers.append(skills.portal.call(_submit_blocking, worker, gate))
+        # occupy the engine and fill the queue, then one more request must be shed
+        for _ in range(engine.config.queue_size + 1):
+            blockers.append(skills.portal.call(_submit_blocking, engine, gate))
         r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1})
         assert r.status_code == 429 and r.json()["error"]["type"] == "overloaded"
         assert r.headers["retry-after"] == "1"
@@ -131,10 +131,10 @@ def test_overload_returns_429(skills):
         gate.set()
 
 
-async def _submit_blocking(worker, gate):
+async def _submit_blocking(engine, gate):
     import time
 
-    job = worker.submit(lambda cancelled: gate.wait(10))
+    job = engine.submit(lambda cancelled: gate.wait(10))
     time.sleep(0.05)
     return job
 

@@ -124,7 +124,7 @@ def test_mrope_image_block_refused(family):
 @pytest.mark.parametrize("family", SLIDING)
 def test_cache_keeps_every_token_and_mask_enforces_window(family):
     rt = tiny_runtime(family)
-    assert all(type(layer).__name__ == "DynamicLayer" for layer in new_cache(rt.model.config).layers)
+    assert all(type(layer).__name__ == "GrowLayer" for layer in new_cache(rt.model.config).layers)  # full per-token
     ids = random_ids(3 * SLIDING_WINDOW, seed=30)  # [48]
     x = torch.tensor([ids])
     with torch.inference_mode():

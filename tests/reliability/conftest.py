@@ -90,8 +90,8 @@ def sse_events(lines) -> list[dict | str]:
 
 class ServiceProcess(devserver.ServiceProcess):
     """`python -m service` (the embedded model) on a free port with its own SKILLCACHE_HOME, CPU, one torch
-    thread, and the fidelity guard's background work off (it holds the one worker for seconds per new skill;
-    not what these tests measure)."""
+    thread, and the fidelity guard's background work off (full prefills per new skill in the engine's background
+    share: not what these tests measure)."""
 
     def __init__(self, home: Path, **env: str) -> None:
         super().__init__(home, {"SKILLCACHE_DEVICE": "cpu", "SKILLCACHE_SEAM_AUTO": "false",

@@ -175,23 +175,22 @@ def test_full_or_read_only_disk(tmp_path, monkeypatch, code):
         assert _compose(c, "a", "b").status_code == 200
 
 
-def test_client_disconnect_mid_stream_frees_the_worker(tmp_path, monkeypatch):
+def test_client_disconnect_mid_stream_frees_the_engine(tmp_path, monkeypatch):
     from tiny import tiny_runtime
 
     rt = tiny_runtime("llama")
     monkeypatch.setattr(rt, "eos_ids", set())  # random weights may say EOS early: make it generate on
-    steps = []
-    real_forward = rt.forward
-    monkeypatch.setattr(rt, "forward", lambda ids, start, cache: steps.append(len(ids)) or real_forward(ids, start,
-                                                                                                         cache))
     with uvicorn_thread(tmp_path, runtime=rt) as (url, app):
-        worker = app.state.skillcache.worker
+        engine = app.state.skillcache.engine
+        decode_steps = []
+        real_step = engine.batch.step
+        monkeypatch.setattr(engine.batch, "step", lambda tokens: decode_steps.append(len(tokens)) or real_step(tokens))
         jobs = []
-        real_submit = worker.submit
-        monkeypatch.setattr(worker, "submit", lambda fn: jobs.append(real_submit(fn)) or jobs[-1])
+        real_submit = engine.submit_sequence
+        monkeypatch.setattr(engine, "submit_sequence", lambda *a, **k: jobs.append(real_submit(*a, **k)) or jobs[-1])
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.post("/v1/skills", json={"name": "a", "text": TEXT}).status_code == 201
-            steps.clear()
+            decode_steps.clear()
             with http.stream("POST", "/v1/compose", json={"skills": ["a"], "user": "Tell me everything.",
                                                           "max_tokens": 2000, "stream": True}) as r:
                 assert r.status_code == 200
@@ -201,10 +200,10 @@ def test_client_disconnect_mid_stream_frees_the_worker(tmp_path, monkeypatch):
             t_gone = time.monotonic()
             job = jobs[-1]
             _wait(lambda: job.cancel_event.is_set(), 10, "the job's cancel event")
-            _wait(lambda: not worker.busy and worker.queue.qsize() == 0, 10, "an idle worker")
+            _wait(lambda: not engine.busy, 10, "an idle engine")
             freed_s = time.monotonic() - t_gone
-            decoded = sum(1 for n in steps if n == 1)
-            print(f"worker freed {freed_s * 1e3:.0f} ms after the disconnect, {decoded} of 2000 tokens decoded")
+            decoded = len(decode_steps)
+            print(f"engine freed {freed_s * 1e3:.0f} ms after the disconnect, {decoded} of 2000 tokens decoded")
             assert decoded < 1000, decoded  # generation stopped, it did not run to max_tokens
             r = http.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 3})
             assert r.status_code == 200  # and the next request is served
@@ -227,6 +226,17 @@ def test_exception_inside_generation_fails_only_that_request(tmp_path, monkeypat
 
     monkeypatch.setattr(rt, "forward", flaky)
     with app_client(tmp_path, runtime=rt) as c:
+        batch = c.app.state.skillcache.engine.batch  # batched decode steps run the model through it
+        real_step = batch.step
+
+        def flaky_step(tokens):
+            if boom["after"] is not None:
+                boom["calls"] += 1
+                if boom["calls"] > boom["after"]:
+                    raise RuntimeError("simulated CUDA error")
+            return real_step(tokens)
+
+        monkeypatch.setattr(batch, "step", flaky_step)
         assert c.post("/v1/skills", json={"name": "a", "text": TEXT}).status_code == 201
         good = _compose(c, "a").json()["text"]
         boom.update(after=8, calls=0)  # fails in decoding, after the stream started
@@ -247,7 +257,7 @@ def test_exception_inside_generation_fails_only_that_request(tmp_path, monkeypat
         boom.update(after=None)
         r = _compose(c, "a")
         assert r.status_code == 200 and r.json()["text"] == good  # the worker survived, nothing was left behind
-        assert c.app.state.skillcache.worker.thread.is_alive()
+        assert c.app.state.skillcache.engine.thread.is_alive()
 
 
 def test_concurrent_requests_through_a_fault_only_hit_requests_fail(tmp_path, monkeypatch):
@@ -255,19 +265,19 @@ def test_concurrent_requests_through_a_fault_only_hit_requests_fail(tmp_path, mo
     from tiny import tiny_runtime
 
     rt = tiny_runtime("llama")
-    real_prefill = rt.prefill
+    real_prefill = rt.prefill_steps
     lock = threading.Lock()
     n = {"i": 0}
 
-    def flaky_prefill(plan, blocks, **kw):
+    def flaky_prefill(plan, blocks, **kw):  # raises on the engine, inside the request's first step
         with lock:
             n["i"] += 1
             i = n["i"]
         if i % 5 == 0:
             raise RuntimeError("simulated")
-        return real_prefill(plan, blocks, **kw)
+        return (yield from real_prefill(plan, blocks, **kw))
 
-    monkeypatch.setattr(rt, "prefill", flaky_prefill)
+    monkeypatch.setattr(rt, "prefill_steps", flaky_prefill)
     with uvicorn_thread(tmp_path, runtime=rt) as (url, _app):
         with httpx.Client(base_url=url, timeout=60) as http:
             assert http.post("/v1/skills", json={"name": "a", "text": TEXT}).status_code == 201

@@ -167,7 +167,7 @@ def _special_ids(c) -> set[int]:
 
 
 def _plan_ids(c, skills: list[str], system: str | None, user: str) -> list[int]:
-    from service.pipeline import ComposeParams, SkillRef
+    from service.compose.pipeline import ComposeParams, SkillRef
     from service.runtime.params import GenParams
 
     pipeline = c.app.state.skillcache.pipeline

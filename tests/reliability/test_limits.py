@@ -88,16 +88,16 @@ def test_rate_limit_per_key_is_429_with_retry_after(tmp_path):
 def test_bounded_queue_sheds_load_then_recovers(tmp_path):
     with app_client(tmp_path, queue_size=2) as c:
         assert c.post("/v1/skills", json={"name": "a", "text": TEXT}).status_code == 201
-        worker = c.app.state.skillcache.worker
+        engine = c.app.state.skillcache.engine
         gate = threading.Event()
 
         async def block():
-            return worker.submit(lambda cancelled: gate.wait(10))
+            return engine.submit(lambda cancelled: gate.wait(10))
 
         try:
-            c.portal.call(block)  # occupies the worker
+            c.portal.call(block)  # occupies the engine
             deadline = time.monotonic() + 10
-            while not worker.busy or worker.queue.qsize():
+            while not engine.busy or engine.n_waiting:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             c.portal.call(block)
@@ -107,7 +107,7 @@ def test_bounded_queue_sheds_load_then_recovers(tmp_path):
         finally:
             gate.set()
         deadline = time.monotonic() + 10
-        while worker.queue.qsize() or worker.busy:
+        while engine.busy:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 1})

@@ -1,5 +1,6 @@
 """Memory stays bounded: 50 concurrent streaming clients against a real service (the embedded model); the
-server's peak resident set (VmHWM) is read from /proc and compared with its resident set before the load."""
+server's resident set is sampled from /proc during the load and compared with the resident set before it plus
+the serving engine's KV budget and a stated margin, and the engine's own K/V gauge stays within the budget."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from conftest import ServiceProcess, sse_events
 pytestmark = pytest.mark.slow
 
 CLIENTS = 50
-GIB = 1024**3
+GIB, MIB = 1024**3, 1024**2
+KV_BUDGET = 128 * MIB  # small: the 50 requests (16 decoding at most) need more, so admission must hold some back
+MARGIN = 384 * MIB  # activations of a batched step, allocator slack, request and response objects
 SKILLS = {
     "returns": " ".join(f"Return rule {i}: items bought in store {i} may be returned within {i + 10} days "
                         "with a receipt." for i in range(8)),
@@ -24,7 +27,8 @@ SKILLS = {
 
 
 def test_fifty_concurrent_streams_keep_memory_bounded(tmp_path):
-    svc = ServiceProcess(tmp_path / "home", SKILLCACHE_STORE="disk", SKILLCACHE_QUEUE_SIZE=str(CLIENTS + 8))
+    svc = ServiceProcess(tmp_path / "home", SKILLCACHE_STORE="disk", SKILLCACHE_QUEUE_SIZE=str(CLIENTS + 8),
+                         SKILLCACHE_KV_BUDGET_BYTES=str(KV_BUDGET))
     svc.start()
     try:
         svc.wait_ready()
@@ -48,7 +52,7 @@ def test_fifty_concurrent_streams_keep_memory_bounded(tmp_path):
             try:
                 with httpx.Client(base_url=svc.url, timeout=300) as h, h.stream("POST", "/v1/compose", json={
                         "skills": list(SKILLS), "user": f"Customer {i}: can I return a lamp after {i} days?",
-                        "max_tokens": 3, "stream": True}) as r:
+                        "max_tokens": 16, "stream": True}) as r:
                     events = sse_events(r.iter_lines()) if r.status_code == 200 else []
                     done = bool(events) and events[-1] == "[DONE]" and events[-2].get("type") == "done"
                     with lock:
@@ -59,15 +63,18 @@ def test_fifty_concurrent_streams_keep_memory_bounded(tmp_path):
                     errors.append(f"{type(e).__name__}: {e}")
 
         samples: list[int] = []
+        kv: list[float] = []
         stop = threading.Event()
 
         def sampler() -> None:
-            while not stop.is_set():
-                try:
-                    samples.append(svc.rss_kib() * 1024)
-                except (OSError, AssertionError):
-                    return
-                time.sleep(0.1)
+            with httpx.Client(base_url=svc.url, timeout=30) as h:
+                while not stop.is_set():
+                    try:
+                        samples.append(svc.rss_kib() * 1024)
+                        kv.append(_gauge(h.get("/metrics").text, "skillcache_engine_kv_bytes"))
+                    except (OSError, AssertionError, httpx.HTTPError):
+                        return
+                    time.sleep(0.1)
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
         mon = threading.Thread(target=sampler, daemon=True)
@@ -84,13 +91,20 @@ def test_fifty_concurrent_streams_keep_memory_bounded(tmp_path):
         rss_after = svc.rss_kib() * 1024
         print(f"{CLIENTS} concurrent streams in {elapsed:.1f} s: server RSS before {rss_before / 2**20:.0f} MiB, "
               f"peak during the load {max(samples, default=0) / 2**20:.0f} MiB (VmHWM {hwm / 2**20:.0f} MiB, "
-              f"{hwm_before / 2**20:.0f} MiB before), after {rss_after / 2**20:.0f} MiB")
+              f"{hwm_before / 2**20:.0f} MiB before), after {rss_after / 2**20:.0f} MiB; engine K/V at most "
+              f"{max(kv, default=0) / 2**20:.0f} MiB of a {KV_BUDGET / 2**20:.0f} MiB budget")
         assert not errors, errors[:3]
         assert len(results) == CLIENTS and all(s == 200 and done for s, _, done in results), results
-        assert max(samples, default=0) - rss_before < 1 * GIB  # the load adds a bounded working set
+        assert 0 < max(kv) <= KV_BUDGET  # the decode batch never held more K/V than its budget
+        assert max(samples, default=0) - rss_before < KV_BUDGET + MARGIN  # the load adds a bounded working set
         assert hwm < 3 * GIB  # the model (~0.5 GB fp32) + tiers + 50 requests, generously
         with httpx.Client(base_url=svc.url, timeout=60) as http:  # and the service is fine afterwards
             assert http.get("/readyz").status_code == 200
             assert http.post("/v1/compose", json={"skills": ["tone"], "user": "Hi", "max_tokens": 2}).status_code == 200
     finally:
         svc.stop()
+
+
+def _gauge(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))

@@ -14,7 +14,7 @@ from service.api.routes.compose import gen_params
 from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Text
 from service.api.sse import SSE_200, sse_response
 from service.errors import InvalidRequest
-from service.pipeline import ComposeParams, Final, SkillRef
+from service.compose.pipeline import ComposeParams, Final, SkillRef
 from service.runtime.params import Delta
 
 router = APIRouter(prefix="/v1", tags=["openai"])

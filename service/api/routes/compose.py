@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from service.api.deps import Namespace, Pipeline
 from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
 from service.api.sse import SSE_200, sse_response
-from service.pipeline import ComposeParams, Final, SkillRef
+from service.compose.pipeline import ComposeParams, Final, SkillRef
 from service.runtime.params import Delta, GenParams
 
 router = APIRouter(prefix="/v1", tags=["compose"])

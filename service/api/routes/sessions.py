@@ -11,7 +11,7 @@ from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
 from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Strict, Text
 from service.api.sse import SSE_200
-from service.pipeline import SkillRef
+from service.compose.pipeline import SkillRef
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 _ERRORS = {c: {"model": ErrorResponse} for c in (404, 409, 413, 422, 429, 503)}

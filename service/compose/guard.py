@@ -1,8 +1,9 @@
 """FidelityGuard: calibrated seams per block and shadow verification of live compose requests.
 
 Both run off the hot path: a calibration is scheduled when a block is compiled, a shadow check
-after a sampled response has completed, and each waits until the inference worker is idle. A
-skill whose shadow check fails is marked degraded and served by full prefill until recalibrated.
+after a sampled response has completed, and both run as background work of the serving engine (its background
+share, in steps of SKILLCACHE_BACKGROUND_CHUNK_TOKENS). A skill whose shadow check fails is marked degraded and
+served by full prefill until recalibrated.
 Deleting a skill (`forget`) drops its blocks' state, and jobs still in flight for them record nothing.
 """
 
@@ -19,16 +20,19 @@ from service import metrics
 from service.config import Settings
 
 if TYPE_CHECKING:
-    from service.runtime.worker import InferenceWorker
+    from service.runtime.serving import ServingEngine
     from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 _MAX_BACKLOG = 32
+# background order (lowest first): calibrations (every request of a new skill uses the seam), then refinements
+# (by expected benefit, negative: service/compose/refine.py), then the sampled shadow checks
+CALIBRATION_PRIORITY, SHADOW_PRIORITY = -1e18, 1.0
 
 
 class FidelityGuard:
-    def __init__(self, settings: Settings, runtime, worker: "InferenceWorker", store: "TieredStore") -> None:
-        self.s, self.rt, self.worker, self.store = settings, runtime, worker, store
+    def __init__(self, settings: Settings, runtime, engine: "ServingEngine", store: "TieredStore") -> None:
+        self.s, self.rt, self.engine, self.store = settings, runtime, engine, store
         self.degraded: dict[str, dict] = {}  # block key -> the failed shadow check
         self.shadow: dict[str, dict] = {}  # block key -> {"checks", "passed", "cosine_min", "cosine_mean"}
         self._bg: set[asyncio.Task] = set()
@@ -36,7 +40,6 @@ class FidelityGuard:
         self._deletes = 0  # forget() calls so far: a job notes the count when it is scheduled
         self._deleted: dict[str, int] = {}  # key -> _deletes when forgotten, while jobs are in flight
         self._writing = asyncio.Lock()  # a calibration writing its block back, or forget()
-        self._idle = asyncio.Lock()  # one background job at a time
         self.shadow_started: list[float] = []  # monotonic start times of shadow checks (bounded below)
 
     # ---- seams -----------------------------------------------------------------------------
@@ -63,9 +66,11 @@ class FidelityGuard:
 
         k = str(key)
         try:
-            cal = await self.run_steps(calibration_steps(
+            cal = await self.run_background(calibration_steps(
                 self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-                self.s.fidelity_tie_margin, self.s.background_chunk_tokens))
+                self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=CALIBRATION_PRIORITY)
+            if cal is None:
+                return  # the engine's background backlog was full: a later request schedules it again
             block.meta["calibration"] = json.dumps(cal.to_dict())
             metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
             async with self._writing:
@@ -104,14 +109,18 @@ class FidelityGuard:
     async def _shadow(self, keys, plan, blocks, seams, since: int) -> None:
         from service.runtime.fidelity import logit_agreement
 
-        def composed(cancelled):
-            self.shadow_started.append(time.monotonic())  # on the worker, after the sampled response
-            return self.rt.prefill(plan, blocks, mode="compose", seam_tokens=seams).logits
+        chunk = self.s.background_chunk_tokens
 
-        # the composed prefill, then the full one in chunks, each step in its own idle slot
-        comp = await self.when_idle(composed)
-        _, full = await self.run_steps(self.rt.full_prefill_steps(plan.ids, self.s.background_chunk_tokens))
-        fid = logit_agreement(comp, full, self.s.fidelity_tie_margin)
+        def steps():  # the composed prefill, then the full one, in background steps of `chunk` tokens
+            self.shadow_started.append(time.monotonic())  # on the engine, after the sampled response
+            comp = yield from self.rt.prefill_steps(plan, blocks, mode="compose", seam_tokens=seams, chunk=chunk)
+            _, full = yield from self.rt.full_prefill_steps(plan.ids, chunk)
+            return comp.logits, full
+
+        both = await self.run_background(steps(), priority=SHADOW_PRIORITY)
+        if both is None:
+            return  # the engine's background backlog was full: this sample is skipped
+        fid = logit_agreement(*both, self.s.fidelity_tie_margin)
         ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
         del self.shadow_started[:-100]
         metrics.SHADOW_CHECKS.labels("pass" if ok else "fail").inc()
@@ -156,26 +165,9 @@ class FidelityGuard:
         if not task.cancelled() and task.exception() is not None:
             log.error("background fidelity job failed: %s", task.exception())
 
-    async def when_idle(self, fn):
-        """Run fn(cancelled) on the worker once it is idle; one background job at a time."""
-        async with self._idle:
-            while self.worker.busy or self.worker.queue.qsize() > 0:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.05)  # and still idle a moment later (not between two requests)
-            while self.worker.busy or self.worker.queue.qsize() > 0:
-                await asyncio.sleep(0.05)
-            return await self.worker.run(fn)
-
-    async def run_steps(self, steps):
-        """Drive a step generator (runtime full_prefill_steps, calibration_steps...): each step on the worker in
-        its own idle slot, its result sent back. Returns the generator's value."""
-        result = None
-        try:
-            while True:
-                step = steps.send(result)
-                result = await self.when_idle(lambda cancelled, step=step: step())
-        except StopIteration as done:
-            return done.value
+    async def run_background(self, steps, priority: float = 0.0):
+        """Run a step generator as background work of the engine; its value (None: the backlog was full)."""
+        return await self.engine.run_steps(steps, background=True, priority=priority)
 
     async def drain(self) -> None:
         while self._bg:

@@ -102,7 +102,8 @@ class SavedSessions:
 
         s.saved_at = time.time()
         doc = s.doc()
-        layers = [(layer.keys, layer.values) for layer in s.cache.layers]  # [1, H_kv, T, D], T == len(ids)
+        # copies: the next turn extends the session's cache in place while this save may still be queued
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in s.cache.layers]  # [1, H_kv, T, D]
         block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.p.rt.fingerprint)
         s.saves += 1
         generation = s.saves

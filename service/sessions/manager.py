@@ -1,7 +1,7 @@
 """Sessions: the paper's edit+compose agent. Turn 0 composes the skills into the system turn; each
 later turn reuses the longest common cached prefix and prefills only the new tokens; changed fields
 arrive as erratum lines (current value only) at the head of the user turn. Live session KV is bounded
-(LRU by bytes, idle TTL); saved copies (session_store.py) let another replica resume a session.
+(LRU by bytes, idle TTL); saved copies (saved.py) let another replica resume a session.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from service import metrics
-from service.edits import check_fields, plan_edit
+from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
-from service.pipeline import ComposePipeline, Final, SkillRef
+from service.compose.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
-from service.session_store import SavedSessions, Session
+from service.sessions.saved import SavedSessions, Session
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class SessionManager:
         mode = "full" if any(path == "full" for _, path in picks) else mode
         seam = [k or 0 for k, _ in picks]
         prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
-        pre = await self.p.worker.run(lambda c: self.rt.prefill(plan, blocks, mode=mode, seam_tokens=seam,
-                                                                prefix=prefix))
+        pre = await self.p.engine.run_steps(self.rt.prefill_steps(
+            plan, blocks, mode=mode, seam_tokens=seam, prefix=prefix, chunk=self.p.settings.prefill_chunk_tokens))
         if mode == "compose":
             self.p.refiner.note(ns, plan, pre.n_prefix)
         s.cache, s.ids = pre.cache, plan.ids
@@ -120,37 +120,28 @@ class SessionManager:
         return out
 
     async def _run_turn(self, s: Session, ids: list[int], gen: GenParams):
-        from service.kv.cache import truncate
-        from service.runtime.decode import generate
-        from service.runtime.engine import PrefillResult
-
         t0 = time.perf_counter()
-        box: dict = {}
+        box: dict = {"ids": ids}
+        cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
 
-        def work(cancelled):
-            lcp = next((i for i, (a, b) in enumerate(zip(s.ids, ids)) if a != b), min(len(s.ids), len(ids)))
-            lcp = min(lcp, len(ids) - 1)  # at least one new token produces the next-token logits
-            truncate(s.cache, lcp)
-            logits = self.rt.forward(ids[lcp:], lcp, s.cache)
-            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=lcp, recomputed=len(ids) - lcp)
-            pre = PrefillResult(s.cache, logits, len(ids), lcp, len(ids) - lcp)
-            for ev in generate(self.rt, pre, gen, cancelled):
-                if isinstance(ev, Done):  # the cache holds every forwarded token: the last sampled may not be
-                    box["ids"] = (ids + ev.token_ids)[: s.cache.get_seq_length()]
-                yield ev
+        def on_prefilled(pre) -> None:  # on the engine
+            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused, recomputed=pre.n_recomputed)
 
-        job = self.p.worker.submit(work)
+        steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=self.p.settings.prefill_chunk_tokens)
+        job = self.p.engine.submit_sequence(steps, gen, len(ids), keep_cache=True, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)
-        return first, stream, box, t0
+        return first, stream, box, t0, job
 
     async def _finish(self, s: Session, messages, fields, changed, errata, events) -> AsyncIterator[Delta | Final]:
-        item, stream, box, t0 = events
+        item, stream, box, t0, job = events
         try:
             yield None  # turn() starts us here: an async generator closed before it started runs no `finally`
             while True:
                 if isinstance(item, Done):
-                    s.ids = box["ids"]
+                    # the cache holds every forwarded token: the last sampled one may not be
+                    s.cache = job.cache
+                    s.ids = (box["ids"] + item.token_ids)[: s.cache.get_seq_length()]
                     s.messages = messages + [self._reply(item)]
                     s.fields.update(fields)
                     s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}

@@ -1,4 +1,4 @@
-"""The request's way through: registry -> store -> kv/runtime (in the worker) -> events for the API.
+"""The request's way through: registry -> store -> kv/runtime (on the serving engine) -> events for the API.
 
 Everything that can fail (validation, unknown skill, fields, compile, store, length) happens in
 `prepare`, before a response starts; `start` then waits for the first event so prefill errors too
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 
 from service import metrics
 from service.config import Settings
-from service.edits import check_fields, plan_edit
+from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
-from service.guard import FidelityGuard
-from service.refine import PrefixRefiner
+from service.compose.guard import FidelityGuard
+from service.compose.refine import PrefixRefiner
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
-from service.runtime.worker import InferenceWorker
 from service.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     from service.runtime.engine import ModelRuntime, PrefillResult
+    from service.runtime.serving import ServingEngine
 
 
 @dataclass
@@ -76,17 +76,17 @@ class Final:
 
 class ComposePipeline:
     def __init__(self, settings: Settings, runtime: ModelRuntime, registry: SkillRegistry,
-                 store: TieredStore, worker: InferenceWorker) -> None:
+                 store: TieredStore, engine: "ServingEngine") -> None:
         self.settings = settings
         self.rt = runtime
         self.registry = registry
         self.store = store
-        self.worker = worker
-        self.guard = FidelityGuard(settings, runtime, worker, store)
+        self.engine = engine
+        self.guard = FidelityGuard(settings, runtime, engine, store)
         self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
-        """The block of exactly `text` (from a tier, or compiled once in the worker) and where it came from.
+        """The block of exactly `text` (from a tier, or compiled once on the engine) and where it came from.
 
         variant: a one-off text (a recompile edit's field values), kept in the memory tier only and not
         calibrated; registered skills' blocks go to every tier and are calibrated once."""
@@ -95,7 +95,7 @@ class ComposePipeline:
         async def compile_fn():
             t0 = time.perf_counter()
             ids = self.rt.prompts.encode_content(text)  # only on a miss: hits never re-tokenize
-            block = await self.worker.run(lambda cancelled: self.rt.compile_block(ids))
+            block = await self.engine.run_steps(self.rt.compile_block_steps(ids, chunk=self.settings.prefill_chunk_tokens))
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return block
 
@@ -149,24 +149,19 @@ class ComposePipeline:
                         prefix)
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
-        """Submit to the worker and wait for the first event; returns the event stream."""
-        p = prep.params
-        seam, mode = prep.seams, prep.mode
+        """Submit to the engine and wait for the first event; returns the event stream."""
         box: dict = {}
 
-        from service.runtime.decode import generate  # torch: loaded with the runtime, not the API
-
-        def work(cancelled):
-            pre: PrefillResult = self.rt.prefill(prep.plan, prep.blocks, mode=mode, seam_tokens=seam,
-                                                 prefix=prep.prefix)
+        def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
             box["pre"] = pre
-            yield from generate(self.rt, pre, p.gen, cancelled)
 
-        job = self.worker.submit(work)
+        steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
+                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens)
+        job = self.engine.submit_sequence(steps, prep.params.gen, prep.plan.n_tokens, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)  # prefill errors surface here, before any byte is sent
-        return self._events(prep, first, stream, box, mode)
+        return self._events(prep, first, stream, box, prep.mode)
 
     async def _events(self, prep: Prepared, first, stream, box, mode) -> AsyncIterator[Delta | Final]:
         item = first

@@ -1,0 +1,1 @@
+"""Composition orchestration: the request pipeline, field edits, the fidelity guard and prefix refinement."""

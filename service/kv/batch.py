@@ -1,0 +1,173 @@
+"""The decode batch's K/V: one buffer per layer, a row per running sequence, each row its own length.
+
+Why this layout (measured, docs/BENCHMARKS.md "Engine"): a batched decode forward needs every running sequence's
+K/V as one `[B, H_kv, T, D]` tensor. Stacking the requests' own caches every step copies all of them per layer per
+step (what DynamicCache's torch.cat already costs for one row, engine.md section 5); transformers' continuous
+batching cannot start a request from spliced K/V (engine.md section 1). So the rows live here, right-padded:
+row b holds its sequence at columns 0..len_b-1, column == position (a composed cache is positional), and the
+step's new token goes to column len_b. A sequence's K/V is copied in once when it joins (after its prefill) and a
+row is moved once when another leaves (the last row fills the hole), never per step. Padding columns are zeros,
+never attended (the mask), so no NaN from uninitialised memory can reach P.V.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from service.kv.cache import new_cache
+
+_ROUND = 256  # capacity grows to a multiple of this many tokens
+
+
+class BatchKV:
+    """Per-layer buffers `[S, H_kv, cap, D]`; rows 0..n_rows-1 are live. All methods run on the model thread."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []  # L x [S, H_kv, cap, D]
+        self.values: list[torch.Tensor] = []  # L x [S, H_kv, cap, Dv]
+        self.lengths: list[int] = []  # per live row: tokens held
+        self.device: torch.device | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def _realloc(self, slots: int, cap: int) -> None:
+        """New zeroed buffers of `slots` rows x `cap` tokens, live rows copied over."""
+        n, t = self.n_rows, max(self.lengths, default=0)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            with torch.inference_mode(False):  # normal tensors, written in place in and outside inference mode
+                k2 = k.new_zeros((slots, k.shape[1], cap, k.shape[3]))
+                v2 = v.new_zeros((slots, v.shape[1], cap, v.shape[3]))
+            k2[:n, :, :t] = k[:n, :, :t]
+            v2[:n, :, :t] = v[:n, :, :t]
+            self.keys[i], self.values[i] = k2, v2
+
+    @staticmethod
+    def padded(n_tokens: int) -> int:
+        """The capacity a row of n_tokens makes the batch allocate."""
+        return -(-n_tokens // _ROUND) * _ROUND
+
+    def add(self, cache: DynamicCache, reserve_tokens: int) -> int:
+        """Copy a prefilled batch-1 cache into a new row with room for `reserve_tokens` in all; returns the row."""
+        layers = cache.layers
+        n = layers[0].get_seq_length()
+        need = self.padded(max(reserve_tokens, n + 1))
+        if not self.keys:  # first row: shapes, dtype and device from the sequence
+            self.device = layers[0].keys.device
+            with torch.inference_mode(False):
+                self.keys = [lay.keys.new_zeros((1, lay.keys.shape[1], need, lay.keys.shape[3])) for lay in layers]
+                self.values = [lay.values.new_zeros((1, lay.values.shape[1], need, lay.values.shape[3]))
+                               for lay in layers]
+        elif self.n_rows == self.slots or need > self.capacity:
+            self._realloc(2 * self.slots if self.n_rows == self.slots else self.slots, max(self.capacity, need))
+        row = self.n_rows
+        for lay, k, v in zip(layers, self.keys, self.values):
+            k[row, :, :n] = lay.keys[0]
+            v[row, :, :n] = lay.values[0]
+        self.lengths.append(n)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Drop a row; the last row moves into its place (the caller renumbers it)."""
+        last = self.n_rows - 1
+        if row != last:
+            t = self.lengths[last]
+            for k, v in zip(self.keys, self.values):
+                k[row, :, :t] = k[last, :, :t]
+                v[row, :, :t] = v[last, :, :t]
+            self.lengths[row] = t
+        self.lengths.pop()
+        if not self.lengths:  # idle: give the memory back
+            self.keys, self.values = [], []
+
+    def extract(self, row: int, config) -> DynamicCache:
+        """The row as a batch-1 cache of its own (a session keeps its K/V between turns)."""
+        n = self.lengths[row]
+        cache = new_cache(config, reserve_tokens=n)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            cache.update(k[row:row + 1, :, :n], v[row:row + 1, :, :n], layer)
+        return cache
+
+    def step_cache(self) -> "BatchCache":
+        """The transformers Cache one decode forward over every live row writes its new token through."""
+        return BatchCache(self)
+
+    def advance(self) -> None:
+        """After a decode forward: every row holds one more token."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+class _BatchLayer(CacheLayerMixin):
+    """One layer of a decode step: writes row b's new K/V at column len_b, returns the live rows' views."""
+
+    is_sliding = False
+
+    def __init__(self, batch: BatchKV, index: int, rows: torch.Tensor, cols: torch.Tensor, span: int) -> None:
+        super().__init__()
+        self.batch, self.index, self.rows, self.cols, self.span = batch, index, rows, cols, span
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist already
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        k, v = self.batch.keys[self.index], self.batch.values[self.index]
+        k[self.rows, :, self.cols] = key_states[:, :, 0]  # [B, H_kv, D] at (row b, column len_b)
+        v[self.rows, :, self.cols] = value_states[:, :, 0]
+        b = self.rows.shape[0]
+        return k[:b, :, :self.span], v[:b, :, :self.span]  # [B, H_kv, T, D], T = longest row + 1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.span, 0
+
+    def get_seq_length(self) -> int:
+        return self.span - 1
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BatchCache(Cache):
+    """A decode step's view of the BatchKV (q = 1 token per row). The caller passes its own 4-D mask."""
+
+    def __init__(self, batch: BatchKV) -> None:
+        device = batch.device
+        self.positions = torch.tensor(batch.lengths, device=device)  # [B]: each row's new token's position
+        rows = torch.arange(batch.n_rows, device=device)
+        span = max(batch.lengths) + 1
+        super().__init__(layers=[_BatchLayer(batch, i, rows, self.positions, span) for i in range(len(batch.keys))])
+        self.span = span
+
+    def masks(self, layer_types: list[str] | None, sliding_window: int | None, additive_dtype: torch.dtype | None):
+        """The 4-D masks `[B, 1, 1, T]` for this step: a dict by layer type for models that take one (those whose
+        config lists `layer_types`), else the one mask every layer uses (sliding when the config has a window).
+        bool (True = attend) for sdpa; additive float (0 / dtype min) for eager attention."""
+        cols = torch.arange(self.span, device=self.positions.device)[None, :]  # [1, T]
+        pos = self.positions[:, None]  # [B, 1]
+        full = cols <= pos  # [B, T]
+        sliding = full & (cols > pos - sliding_window) if sliding_window else full  # as masking_utils' overlay
+
+        def shape(m: torch.Tensor) -> torch.Tensor:
+            m = m[:, None, None, :]  # [B, 1, 1, T]
+            if additive_dtype is None:
+                return m
+            return torch.zeros(m.shape, dtype=additive_dtype, device=m.device).masked_fill(
+                ~m, torch.finfo(additive_dtype).min)
+
+        if layer_types is not None:
+            return {"full_attention": shape(full), "sliding_attention": shape(sliding)}
+        return shape(sliding)

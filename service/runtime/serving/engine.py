@@ -1,0 +1,277 @@
+"""ServingEngine: the model thread. It runs steps (scheduler.py says what each holds) until no work is left.
+
+Request threads submit work and get a Job (work.py); everything that touches the model, the decode batch or a
+request's cache runs here, on one thread (torch is imported here only once a model is bound, so the API can import
+this module without it). A step: free the rows of requests that hung up, admit queued work,
+one batched decode forward over the running sequences (runner.py), live prefill steps within the token budget,
+then a background step when its share is due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from service import metrics
+from service.errors import LimitExceeded
+from service.runtime.serving.scheduler import Scheduler
+from service.runtime.serving.work import Call, Job, SequenceWork, StepsWork, Work
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_running: int = 16
+    step_token_budget: int = 512
+    queue_size: int = 32
+    kv_budget_bytes: int = 4 * 1024**3
+    background_share: float = 0.2
+
+    @classmethod
+    def from_settings(cls, s) -> "EngineConfig":
+        return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share)
+
+
+class ServingEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.sched = Scheduler(config.max_running, config.step_token_budget, config.queue_size,
+                               config.background_share)
+        self.batch = None  # DecodeBatch, once bound
+        self.rt = None
+        self.bytes_per_token = 0  # K+V of one token over all layers, once bound
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._in_step = False
+        self.thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
+        self.thread.start()
+
+    # ---- request threads ------------------------------------------------------------------
+    def bind(self, rt) -> None:
+        """Serve `rt`'s model (call on the engine: `await engine.run(lambda c: engine.bind(rt))`)."""
+        from service.runtime.decode import TokenStream
+        from service.runtime.serving.runner import DecodeBatch
+
+        self.rt, self.batch, self._stream_cls = rt, DecodeBatch(rt), TokenStream
+        self.bytes_per_token = rt.kv_bytes_per_token()
+
+    def _submit(self, work: Work) -> Job:
+        accepted = self.sched.add(work)
+        if accepted:
+            with self._wake:
+                self._wake.notify()
+        else:
+            work.job.cancel_event.set()
+            work.close()
+        return work.job
+
+    def submit(self, fn: Callable[[Callable[[], bool]], Any]) -> Job:
+        """A one-off closure fn(cancelled), run between steps."""
+        return self._submit(Call(Job(asyncio.get_running_loop()), fn))
+
+    async def run(self, fn: Callable[[Callable[[], bool]], Any]) -> Any:
+        return await self.submit(fn).result()
+
+    def submit_steps(self, steps: Generator[int, None, Any], background: bool = False, priority: float = 0.0) -> Job:
+        """Step-generator work; background work runs in the background share, lowest `priority` first."""
+        return self._submit(StepsWork(Job(asyncio.get_running_loop()), steps, background, priority))
+
+    async def run_steps(self, steps: Generator[int, None, Any], background: bool = False,
+                        priority: float = 0.0) -> Any:
+        """Its value; None for background work dropped because the backlog is full."""
+        return await self.submit_steps(steps, background, priority).result()
+
+    def submit_sequence(self, steps: Generator[int, None, Any], params, n_prompt: int, keep_cache: bool = False,
+                        on_prefilled: Callable[[Any], None] | None = None) -> Job:
+        """A generating request: `steps` prefill it (returning a PrefillResult), then it decodes in the batch. The
+        job streams Delta events and one Done; keep_cache: `job.cache` holds its K/V when Done arrives."""
+        work = SequenceWork(Job(asyncio.get_running_loop()), steps, params, n_prompt, keep_cache, on_prefilled)
+        if self.bytes_per_token and 2 * work.need_tokens * self.bytes_per_token > self.config.kv_budget_bytes:
+            steps.close()
+            raise LimitExceeded(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{2 * work.need_tokens * self.bytes_per_token / 2**20:.0f} MiB of K/V while it joins the batch, more "
+                f"than the KV budget ({self.config.kv_budget_bytes / 2**20:.0f} MiB, SKILLCACHE_KV_BUDGET_BYTES); "
+                "use fewer or shorter skills or lower max_tokens")
+        return self._submit(work)
+
+    def pause_background(self) -> None:
+        """Hold background work (queued, not run) until resume_background: tests, and an operator's A/B."""
+        self.sched.background_paused = True
+
+    def resume_background(self) -> None:
+        self.sched.background_paused = False
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def busy(self) -> bool:
+        return self._in_step or self.sched.has_work()
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self.thread.join(timeout_s)
+
+    # ---- the model thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.sched.has_work():
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                self._in_step = True
+                try:
+                    self._step()
+                except Exception:  # never kill the engine: each failure was routed to its request
+                    log.exception("engine step failed")
+                finally:
+                    self._in_step = False
+        for w in self.sched.drain_all():
+            w.close()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        for w in self.sched.reap():
+            self._drop(w)
+        self.sched.admit(self._fits)
+        live_pending = bool(self.sched.active or self.sched.running)
+        if self.sched.running:
+            self._decode()
+        self._prefill(self.sched.prefill_budget())
+        t_live = time.perf_counter() - t0
+        bg_s = 0.0
+        work = self.sched.next_background(live_pending)
+        if work is not None:
+            t1 = time.perf_counter()
+            self._advance(work)
+            bg_s = time.perf_counter() - t1
+        self.sched.account(t_live, bg_s)
+        self.sched.gauges()
+        metrics.KV_BYTES.set(self.kv_bytes())
+        if live_pending:
+            metrics.STEP_TIME.observe(time.perf_counter() - t0)
+
+    def _advance(self, work: Work) -> int:
+        """One step of `work`; a failure goes to its request only."""
+        try:
+            return work.step()
+        except Exception as e:  # noqa: BLE001 - routed to the request that asked for the work
+            work.fail(e)
+            return 0
+
+    def _prefill(self, budget: int) -> None:
+        """Live prefill steps within `budget` tokens, round robin over admitted work in arrival order: a short
+        request (a composed prompt's few text tokens) finishes in this step even behind a long prefill."""
+        spent = 0
+        while spent < budget and self.sched.active:
+            for w in list(self.sched.active):
+                spent += max(1, self._advance(w))  # every step counts: no pass of zero-token steps loops
+                if isinstance(w, Call):
+                    spent = budget  # a closure runs alone: it may take any time
+                if w.finished:
+                    self.sched.active.remove(w)
+                elif w.is_sequence and w.prefill is not None:
+                    self.sched.active.remove(w)
+                    self._start_decoding(w)
+                if spent >= budget:
+                    return
+
+    def _start_decoding(self, w: SequenceWork) -> None:
+        """Sample the first token from the prefill logits; unless that ends the request, join the batch."""
+        pre = w.prefill
+        try:
+            w.out = self._stream_cls(self.rt.tokenizer, self.rt.eos_ids, w.params, pre.logits)
+            tok = w.out.sample(pre.logits.cpu())
+            w.emit_all(w.out.push(tok))
+            if w.out.reason is not None or w.job.cancelled():
+                if w.keep_cache:
+                    w.job.cache = pre.cache
+                w.finish("cancelled")
+                return
+            w.row = self.batch.join(pre.cache, w.need_tokens)
+        except Exception as e:  # noqa: BLE001
+            w.fail(e)
+            return
+        w.next_token = tok
+        pre.cache = None  # the batch holds its K/V now
+        self.sched.running.append(w)
+
+    def _decode(self) -> None:
+        rows = self.sched.running
+        try:
+            logits = self.batch.step([w.next_token for w in rows])  # [B, V]
+        except Exception as e:  # noqa: BLE001 - fails the batch, not the engine
+            log.exception("batched decode failed")
+            for w in reversed(rows):
+                self.batch.leave(w.row)
+                w.fail(e)
+            rows.clear()
+            return
+        metrics.BATCH_SIZE.observe(len(rows))
+        metrics.DECODE_TOKENS.inc(len(rows))
+        greedy = logits.argmax(-1).tolist()
+        done = []
+        for i, w in enumerate(rows):
+            tok = greedy[i] if w.out.greedy else w.out.sample(logits[i].cpu())
+            w.emit_all(w.out.push(tok))
+            if w.out.reason is not None:
+                done.append(w)
+            else:
+                w.next_token = tok
+        for w in sorted(done, key=lambda w: -w.row):
+            self._leave(w)
+            w.finish()
+
+    def _leave(self, w: SequenceWork) -> None:
+        """Free w's row; the last row moves into it."""
+        rows, row = self.sched.running, w.row
+        cache = self.batch.leave(row, keep_cache=w.keep_cache)
+        if w.keep_cache:
+            w.job.cache = cache
+        last = rows.pop()
+        if last is not w:
+            rows[row] = last
+            last.row = row
+        w.row = None
+
+    def _drop(self, w: Work) -> None:
+        """A cancelled request's work: free what it holds, end its stream."""
+        if w.is_sequence and w.row is not None:
+            self._leave(w)
+            w.finish("cancelled")
+        elif w.is_sequence and w.out is not None:
+            w.finish("cancelled")
+        else:
+            w.close()
+
+    def _fits(self, w: SequenceWork) -> bool:
+        """Would the K/V of every admitted sequence, w included, stay within the budget once all have joined (the
+        batch padded to its longest reservation) while their prefill caches exist? One sequence always fits."""
+        seqs = self.sched.running + [x for x in self.sched.active if x.is_sequence]
+        if not seqs or not self.bytes_per_token:
+            return True
+        rows = len(seqs) + 1
+        slots = 1 << (rows - 1).bit_length()
+        cap = self.batch.kv.padded(max(x.need_tokens for x in (*seqs, w)))
+        prefilling = sum(x.n_prompt for x in seqs if x.row is None) + w.n_prompt
+        return (slots * cap + prefilling) * self.bytes_per_token <= self.config.kv_budget_bytes
+
+    def kv_bytes(self) -> int:
+        """K/V the engine holds now: the decode batch's buffers (prefill caches are counted by their requests)."""
+        return self.batch.size_bytes if self.batch is not None else 0

@@ -1,0 +1,53 @@
+"""The model runner of the decode batch: one forward for every running sequence, each at its own position.
+
+Rows are right-padded in a BatchKV (service/kv/batch.py: why that layout); the step passes per-row positions and
+its own 4-D masks, so a row never attends to padding or to another row, sliding-window layers see their window
+counted from the row's own position, and every family's own attention code (sdpa or eager, MLA, M-RoPE, per-layer
+RoPE) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from service.kv.batch import BatchKV
+
+
+class DecodeBatch:
+    def __init__(self, rt) -> None:
+        self.rt, self.model = rt, rt.model
+        cfg = rt.config  # the text config
+        self.layer_types = getattr(cfg, "layer_types", None)  # models that list them take masks by layer type
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
+        self.additive_dtype = self.model.dtype if eager else None  # eager adds the mask; sdpa takes bool
+        self.kv = BatchKV()
+
+    @property
+    def n_rows(self) -> int:
+        return self.kv.n_rows
+
+    @property
+    def size_bytes(self) -> int:
+        return self.kv.size_bytes
+
+    def join(self, cache: DynamicCache, reserve_tokens: int) -> int:
+        return self.kv.add(cache, reserve_tokens)
+
+    def leave(self, row: int, keep_cache: bool = False) -> DynamicCache | None:
+        """Free a row (the last row moves into it); keep_cache: its K/V as a cache of its own first."""
+        cache = self.kv.extract(row, self.model.config) if keep_cache else None
+        self.kv.remove(row)
+        return cache
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Run row b's token at its position -> next-token logits [B, V] float32; every row holds one more token."""
+        step_cache = self.kv.step_cache()
+        masks = step_cache.masks(self.layer_types, self.sliding_window, self.additive_dtype)
+        input_ids = torch.tensor(tokens, device=self.kv.device)[:, None]  # [B, 1]
+        out = self.model(input_ids=input_ids, position_ids=step_cache.positions[:, None], attention_mask=masks,
+                         cache=step_cache, use_cache=True, logits_to_keep=1)
+        self.kv.advance()
+        return out.logits[:, -1].float()  # [B, V]

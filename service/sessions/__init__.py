@@ -1,0 +1,1 @@
+"""Sessions: multi-turn conversations over composed skills, live KV bounded in memory, saved for other replicas."""

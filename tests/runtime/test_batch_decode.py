@@ -1,0 +1,103 @@
+"""Batched decode over sequences of different lengths equals decoding each alone, for every tiny family.
+
+Each prompt is prefilled alone; then the same tokens are run (a) one sequence at a time on its own cache and (b)
+as rows of one DecodeBatch, with rows leaving (the last row moves into the hole) and joining mid-way. Every row's
+logits must match its solo logits at float32 tolerance, so no row sees padding, another row, or a wrong window.
+"""
+
+import pytest
+import torch
+
+from service.kv.cache import new_cache
+from service.runtime.serving.runner import DecodeBatch
+from tiny import FAMILIES, SLIDING_WINDOW, random_ids, tiny_runtime
+
+ATOL = 2e-4
+LENGTHS = [5, 3 * SLIDING_WINDOW + 7, 17, 2 * SLIDING_WINDOW]  # past the sliding window, and shorter ones
+
+
+def _solo(rt, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """Logits after the prompt, then after each of `tokens`, decoding alone."""
+    cache = new_cache(rt.model.config)
+    out = [rt.forward(prompt, 0, cache)]
+    for i, t in enumerate(tokens):
+        out.append(rt.forward([t], len(prompt) + i, cache))
+    return out  # [V] each
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_rows_match_solo_decoding(family):
+    rt = tiny_runtime(family)
+    n_steps = 6
+    prompts = [random_ids(n, seed=100 + n) for n in LENGTHS]
+    tokens = [random_ids(n_steps, seed=200 + i) for i in range(len(prompts))]
+    late = random_ids(9, seed=300)  # joins after step 2
+    late_tokens = random_ids(n_steps, seed=301)
+    solo = [_solo(rt, p, t) for p, t in zip(prompts, tokens)]
+    solo_late = _solo(rt, late, late_tokens)
+
+    batch = DecodeBatch(rt)
+    rows = {}  # sequence index -> row
+    for i, p in enumerate(prompts):
+        cache = new_cache(rt.model.config)
+        rt.forward(p, 0, cache)
+        rows[i] = batch.join(cache, len(p) + n_steps + 1)
+    step_of = {i: 0 for i in rows}
+    for step in range(n_steps):
+        if step == 2:  # sequence 1 leaves (the last row moves into its place), a new one joins
+            gone = rows.pop(1)
+            last = max(rows, key=rows.get)  # the highest row left: it moves into the hole if above it
+            batch.leave(gone)
+            if rows[last] > gone:
+                rows[last] = gone
+            cache = new_cache(rt.model.config)
+            rt.forward(late, 0, cache)
+            rows["late"] = batch.join(cache, len(late) + n_steps + 1)
+            step_of["late"] = 0
+        order = sorted(rows, key=rows.get)
+        feed = [late_tokens[step_of[s]] if s == "late" else tokens[s][step_of[s]] for s in order]
+        logits = batch.step(feed)  # [B, V]
+        for b, s in enumerate(order):
+            step_of[s] += 1
+            want = solo_late[step_of[s]] if s == "late" else solo[s][step_of[s]]
+            torch.testing.assert_close(logits[b], want.float(), atol=ATOL, rtol=1e-4,
+                                       msg=f"{family}: sequence {s} at its step {step_of[s]}")
+            assert int(logits[b].argmax()) == int(want.argmax())
+
+
+def test_a_row_extracted_continues_like_its_solo_cache():
+    """keep_cache (sessions): a row taken out of the batch is the sequence's own cache, ready for its next turn."""
+    rt = tiny_runtime("gemma3")
+    prompt, toks = random_ids(40, seed=7), random_ids(4, seed=8)
+    solo = _solo(rt, prompt, toks + [5])
+    batch = DecodeBatch(rt)
+    other = new_cache(rt.model.config)
+    rt.forward(random_ids(11, seed=9), 0, other)
+    batch.join(other, 20)
+    cache = new_cache(rt.model.config)
+    rt.forward(prompt, 0, cache)
+    row = batch.join(cache, 60)
+    for t in toks:
+        batch.step([1, t] if row == 1 else [t, 1])
+    mine = batch.leave(row, keep_cache=True)
+    assert mine.get_seq_length() == len(prompt) + len(toks) and batch.n_rows == 1
+    torch.testing.assert_close(rt.forward([5], len(prompt) + len(toks), mine), solo[-1], atol=ATOL, rtol=1e-4)
+
+
+def test_batch_memory_grows_once_per_join_and_is_freed_when_idle():
+    rt = tiny_runtime("llama")
+    batch = DecodeBatch(rt)
+    caches = []
+    for n in (10, 30, 20):
+        c = new_cache(rt.model.config)
+        rt.forward(random_ids(n, seed=n), 0, c)
+        caches.append(c)
+    batch.join(caches[0], 100)
+    size_one = batch.size_bytes
+    batch.join(caches[1], 700)  # longer reservation: capacity grows to it (multiple of 256)
+    assert batch.kv.capacity == 768 and batch.kv.slots == 2
+    batch.join(caches[2], 50)
+    assert batch.kv.slots == 4 and batch.size_bytes == size_one // 256 * 768 * 4
+    for row in (2, 1, 0):
+        batch.leave(row)
+    assert batch.n_rows == 0 and batch.size_bytes == 0

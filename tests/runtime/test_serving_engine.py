@@ -1,0 +1,250 @@
+"""The serving engine on a tiny model: batched requests get what they get alone; chunked prefill, admission,
+the KV budget, cancellation and the background share."""
+
+import asyncio
+
+import pytest
+
+from service import metrics
+from service.errors import LimitExceeded, Overloaded
+from service.kv.cache import new_cache
+from service.runtime.decode import generate
+from service.runtime.params import Delta, Done, GenParams
+from service.runtime.prompt import PromptPlan, Segment
+from service.runtime.serving import EngineConfig, ServingEngine
+from tiny import random_ids, tiny_runtime
+
+
+def _plan(ids):
+    return PromptPlan([Segment("text", list(ids))])
+
+
+def _alone(rt, ids, p):
+    return [e for e in generate(rt, rt.prefill(_plan(ids), [], mode="full"), p)]
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    rt = tiny_runtime("llama")
+    monkeypatch.setattr(rt, "eos_ids", set())  # random weights: generate to max_tokens
+    return rt
+
+
+async def _engine(rt, **kw) -> ServingEngine:
+    eng = ServingEngine(EngineConfig(**kw))
+    await eng.run(lambda c: eng.bind(rt))
+    return eng
+
+
+async def _collect(job):
+    return [e async for e in job.stream()]
+
+
+def _submit(eng, rt, ids, p, chunk=None):
+    return eng.submit_sequence(rt.prefill_steps(_plan(ids), [], mode="full", chunk=chunk), p, len(ids))
+
+
+async def test_concurrent_requests_get_their_solo_outputs(rt):
+    """Greedy and seeded sampling, different lengths and max_tokens, stop strings: the events a request streams
+    in a batch are the events it streams alone."""
+    eng = await _engine(rt, max_running=8)
+    try:
+        cases = [(random_ids(n, seed=n), GenParams(max_tokens=m, temperature=t, seed=3, stop=stop))
+                 for n, m, t, stop in [(5, 9, 0.0, []), (60, 14, 0.8, []), (23, 4, 0.0, []), (41, 12, 1.0, []),
+                                       (9, 11, 0.0, [rt.tokenizer.decode(random_ids(1, seed=77))])]]
+        solo = [_alone(rt, ids, p) for ids, p in cases]
+        batched = await asyncio.gather(*(_collect(_submit(eng, rt, ids, p, chunk=16)) for ids, p in cases))
+        for want, got in zip(solo, batched):
+            assert got == want
+        assert metrics.BATCH_SIZE.collect()[0].samples  # the batch ran
+    finally:
+        eng.stop()
+
+
+async def test_chunked_prefill_interleaves_with_running_decodes(rt, monkeypatch):
+    """A long prompt's prefill runs in chunks between decode steps: the running request keeps streaming."""
+    eng = await _engine(rt, max_running=4, step_token_budget=32)
+    order = []
+    real_forward, real_step = rt.forward, eng.batch.step
+    monkeypatch.setattr(rt, "forward", lambda ids, start, cache: order.append(("prefill", len(ids)))
+                        or real_forward(ids, start, cache))
+    monkeypatch.setattr(eng.batch, "step", lambda toks: order.append(("decode", len(toks))) or real_step(toks))
+    try:
+        short = _submit(eng, rt, random_ids(4, seed=1), GenParams(max_tokens=40))
+        stream = short.stream()
+        await anext(stream)  # decoding
+        long = _submit(eng, rt, random_ids(200, seed=2), GenParams(max_tokens=2), chunk=32)
+
+        async def rest():
+            return [e async for e in stream]
+
+        await asyncio.gather(_collect(long), rest())
+    finally:
+        eng.stop()
+    chunks = [i for i, (kind, n) in enumerate(order) if kind == "prefill" and n == 32]
+    assert len(chunks) >= 6  # 200 tokens in 32-token steps
+    between = [kind for kind, _ in order[chunks[0]:chunks[-1]]]
+    assert between.count("decode") >= len(chunks) - 1  # a decode step between every two chunks
+
+
+async def test_serial_setting_runs_one_sequence_at_a_time(rt):
+    eng = await _engine(rt, max_running=1)
+    before = metrics.BATCH_SIZE.collect()[0]
+    try:
+        jobs = [_submit(eng, rt, random_ids(8, seed=i), GenParams(max_tokens=6)) for i in range(3)]
+        await asyncio.gather(*(_collect(j) for j in jobs))
+    finally:
+        eng.stop()
+    buckets = {s.labels["le"]: s.value for s in metrics.BATCH_SIZE.collect()[0].samples if s.name.endswith("bucket")}
+    old = {s.labels["le"]: s.value for s in before.samples if s.name.endswith("bucket")}
+    assert buckets["1.0"] - old.get("1.0", 0) == buckets["+Inf"] - old.get("+Inf", 0) > 0  # every step: batch of 1
+
+
+async def test_kv_budget_holds_requests_back_and_refuses_what_never_fits(rt):
+    bpt = rt.kv_bytes_per_token()
+    eng = await _engine(rt, max_running=8, kv_budget_bytes=bpt * 600)
+    try:
+        with pytest.raises(LimitExceeded, match="KV budget"):
+            _submit(eng, rt, random_ids(300, seed=1), GenParams(max_tokens=100))  # 400 tokens, twice while joining
+        jobs = [_submit(eng, rt, random_ids(100, seed=i), GenParams(max_tokens=150)) for i in range(3)]
+        seen = []
+
+        async def watch():
+            while not all(j.cancel_event.is_set() for j in jobs):
+                seen.append(len(eng.sched.running) + sum(w.is_sequence for w in eng.sched.active))
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        outs = await asyncio.gather(*(_collect(j) for j in jobs))
+        await watcher
+        assert all(isinstance(o[-1], Done) and len(o[-1].token_ids) == 150 for o in outs)
+        assert max(seen) == 1  # 2 rows of 250 tokens padded to 256 (+ a prefill of 100) pass 600: one at a time
+        assert eng.kv_bytes() == 0
+    finally:
+        eng.stop()
+
+
+async def test_a_full_queue_sheds_load(rt):
+    eng = await _engine(rt, max_running=1, queue_size=2)
+    import threading
+
+    gate = threading.Event()
+    try:
+        blocker = eng.submit(lambda c: gate.wait(10))
+        while eng.n_waiting:
+            await asyncio.sleep(0.01)
+        queued = [_submit(eng, rt, random_ids(4, seed=i), GenParams(max_tokens=2)) for i in range(2)]
+        with pytest.raises(Overloaded):
+            _submit(eng, rt, random_ids(4, seed=9), GenParams(max_tokens=2))
+        gate.set()
+        await blocker.result()
+        for j in queued:
+            assert isinstance((await _collect(j))[-1], Done)
+    finally:
+        gate.set()
+        eng.stop()
+
+
+async def test_a_request_that_hangs_up_frees_its_row_within_a_step(rt):
+    eng = await _engine(rt, max_running=4)
+    try:
+        keep = _submit(eng, rt, random_ids(6, seed=1), GenParams(max_tokens=60))
+        gone = _submit(eng, rt, random_ids(6, seed=2), GenParams(max_tokens=1000))
+        s_keep, s_gone = keep.stream(), gone.stream()
+        await anext(s_keep)
+        await anext(s_gone)
+        while len(eng.sched.running) < 2:
+            await asyncio.sleep(0.001)
+        await s_gone.aclose()  # the client went away
+        for _ in range(3):  # the next step reaps it
+            await anext(s_keep)
+        assert len(eng.sched.running) <= 1
+        rest = [e async for e in s_keep]
+        assert isinstance(rest[-1], Done) and rest[-1].finish_reason == "length"
+    finally:
+        eng.stop()
+
+
+async def test_background_work_gets_its_share_under_load_and_all_when_idle(rt):
+    """Under continuous live load, background steps get about `background_share` of the busy time; with no live
+    work they run back to back."""
+    eng = await _engine(rt, max_running=4, background_share=0.25)
+
+    def bg_steps(n):
+        for _ in range(n):
+            rt.forward(random_ids(64, seed=5), 0, new_cache(rt.model.config))
+            yield 64
+        return "done"
+
+    try:
+        live = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=4000))
+        stream = live.stream()
+        await anext(stream)
+        bg = eng.submit_steps(bg_steps(100_000), background=True)
+        await asyncio.sleep(3)
+        share = metrics.BACKGROUND_SHARE._value.get()
+        assert 0.15 < share < 0.35, share
+        await stream.aclose()
+        bg.cancel_event.set()
+        assert await eng.run_steps(bg_steps(3), background=True) == "done"
+    finally:
+        eng.stop()
+
+
+async def test_failure_in_a_prefill_reaches_only_its_request(rt):
+    eng = await _engine(rt, max_running=4)
+
+    def broken():
+        yield 1
+        raise RuntimeError("boom")
+
+    try:
+        ok = _submit(eng, rt, random_ids(6, seed=1), GenParams(max_tokens=5))
+        bad = eng.submit_sequence(broken(), GenParams(max_tokens=5), 4)
+        with pytest.raises(RuntimeError, match="boom"):
+            await _collect(bad)
+        out = await _collect(ok)
+        assert isinstance(out[-1], Done) and all(isinstance(e, Delta) for e in out[:-1])
+        assert eng.thread.is_alive()
+    finally:
+        eng.stop()
+
+
+async def test_a_short_prompt_is_not_held_behind_a_long_prefill(rt):
+    """The step budget is shared round robin: a composed request's few text tokens run in the next step, while a
+    long prefill admitted before it goes on in chunks."""
+    eng = await _engine(rt, step_token_budget=64)
+    order = []
+
+    async def watch(name, job):
+        await _collect(job)
+        order.append(name)
+
+    try:
+        long = _submit(eng, rt, random_ids(1500, seed=3), GenParams(max_tokens=1), chunk=32)
+        short = _submit(eng, rt, random_ids(5, seed=4), GenParams(max_tokens=1))
+        await asyncio.gather(watch("long", long), watch("short", short))
+    finally:
+        eng.stop()
+    assert order == ["short", "long"]
+
+
+def test_background_work_runs_lowest_priority_first():
+    """Calibrations before refinements (by expected benefit), shadow checks last."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        works = {name: StepsWork(Job(loop), iter(()), background=True, priority=p)
+                 for name, p in [("shadow", 1.0), ("refine-small", -10.0), ("calibration", -1e18), ("refine-big", -500.0)]}
+        for w in works.values():
+            assert sched.add(w)
+        order = []
+        while (w := sched.next_background(live_pending=False)) is not None:
+            order.append(next(name for name, x in works.items() if x is w))
+            w.finished = True
+    finally:
+        loop.close()
+    assert order == ["calibration", "refine-big", "refine-small", "shadow"]
