@@ -214,7 +214,7 @@ class Workload:
 async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None, t_sched: float) -> dict:
     """Send one request at once; times are measured from t_sched (its scheduled arrival)."""
     rec: dict = {"t_sched": t_sched, "status": None, "error": None, "ttft_s": None, "e2e_s": None,
-                 "ttft_from_done": False}
+                 "ttft_from_done": False, "text": ""}
     try:
         if register_first:  # in_place via skill: a new version of the edited policy, compiled on first use
             r = await client.post("/v1/skills", params={"compile": "false"}, json=register_first)
@@ -235,8 +235,10 @@ async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None
                     break
                 ev = json.loads(data)
                 now = time.perf_counter()
-                if ev["type"] == "delta" and rec["ttft_s"] is None:
-                    rec["ttft_s"] = now - t_sched
+                if ev["type"] == "delta":
+                    rec["text"] += ev["text"]
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = now - t_sched
                 elif ev["type"] == "done":
                     if rec["ttft_s"] is None:
                         rec["ttft_s"], rec["ttft_from_done"] = now - t_sched, True

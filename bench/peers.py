@@ -1,0 +1,277 @@
+"""Peer benchmark: skillcache against llama.cpp's `llama-server`, side by side on this machine.
+
+    python bench/peers.py --json bench/out/peers.json --png docs/img/peers.png   # builds llama-server once
+    python bench/peers.py --quick --arms a b                                       # a short check
+    python bench/peers.py --engines skillcache --quick --arms a                    # no llama.cpp (the smoke test)
+
+The same model (the embedded SmolLM2-135M-Instruct: llama.cpp serves its Q4_1 GGUF, skillcache the same weights
+dequantized to float32) and token-identical prompts: 3 shipped skills in the system turn, in --orders orders,
+with --turns user turns each, rendered by skillcache's own PromptBuilder and the embedded tokenizer and sent to
+llama-server's /completion as token ids (its tokens_evaluated must equal the ids sent, and skillcache's
+prompt_tokens too, else the request counts as an error). Greedy, streaming, client-side timing.
+
+  a  first-time orders: llama.cpp with cache_prompt off (every prompt token computed); skillcache with refinement
+     off (SKILLCACHE_REFINE_AFTER=0: the blocks composed, as for an order never seen before)
+  b  repeated orders (each primed twice first, then cycled): llama.cpp -np 1 with its default host prompt cache
+     and --cache-reuse 256; skillcache as it is (an order composed twice is refined in the background)
+  c  one stream's decode speed over --decode-tokens
+  d  --concurrency streams at once (llama-server -np N), aggregate tokens/s over --stream-tokens each
+  e  a short request sent while another request is in its long decode (first token vs the same request idle)
+
+Before each engine's part of an arm the script waits until every server it started is idle (CPU), so one
+engine's background work never lands on the other's clock. Loopback only; every server started is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from common import write_json  # first: puts this checkout ahead of any installed copy on sys.path
+import httpx
+from load import LOOPBACK, load_skill, register
+from peers_llama import LLAMA_CPP_PYTHON, LlamaServer, ensure_llama_server
+from peers_run import Peer, environment, loadavg, quiesce
+from peers_stats import ENGINES, agreement, detail, plot, ratios, summarize, table
+from peers_work import (LONG_TURNS, PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, WARM_TURN, Prompts, all_at_once,
+                        one_by_one, send, short_during_long)
+
+from service.devserver import ROOT, ServiceNotReady, ServiceProcess
+from service.runtime.loader import embedded_gguf_path
+
+
+def row(arm: str, recs: dict[str, list[dict]], walls: dict | None = None) -> dict:
+    s = {eng: summarize(recs.get(eng, []), (walls or {}).get(eng)) for eng in ENGINES}
+    pairs = list(zip(recs.get("llama.cpp", []), recs.get("skillcache", [])))
+    return {"arm": arm, **s, "ratio": ratios(s["llama.cpp"], s["skillcache"]), "agreement": agreement(pairs),
+            "records": recs}
+
+
+async def run_arm(arm: str, args, peers: dict, prompts: Prompts, deadline: float) -> list[dict]:
+    """Every engine's part of one arm, each after all servers went idle. Returns the arm's table rows."""
+    orders, turns, n = args.order_list, TURNS[:args.turns], args.max_tokens
+    cycled = [(o, t, n) for t in turns for o in orders]  # the order changes with every request
+    recs: dict[str, list] = {}
+    walls: dict[str, float | None] = {}
+    extra: dict[str, list] = {}
+    for eng, peer in peers.items():
+        await quiesce(args.all_pids, args.settle_s)
+        if arm in ("a", "b"):
+            recs[eng] = await one_by_one(peer, prompts, cycled, deadline, **({"cache_prompt": False}
+                                                                              if arm == "a" and eng == "llama.cpp" else {}))
+        elif arm == "c":
+            specs = [(orders[0], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens) for i in range(args.long_requests)]
+            recs[eng] = await one_by_one(peer, prompts, specs, deadline)
+        elif arm == "d":
+            specs = [(orders[i % len(orders)], TURNS[i % len(TURNS)], args.stream_tokens) for i in range(args.concurrency)]
+            recs[eng], walls[eng] = await all_at_once(peer, prompts, specs, deadline)
+        else:  # e: the same short requests idle, then each during another request's long decode
+            # turns no engine has seen (llama.cpp would serve a repeat of the whole prompt from its cache)
+            shorts = [(orders[i % len(orders)], SHORT_TURNS[2 * i % len(SHORT_TURNS)], n) for i in range(args.e_repeats)]
+            idle = await one_by_one(peer, prompts, shorts, deadline)
+            shorts = [(o, SHORT_TURNS[(2 * i + 1) % len(SHORT_TURNS)], n) for i, (o, _, n) in enumerate(shorts)]
+            ok = sorted(r["ttft_s"] for r in idle if r["error"] is None)
+            delay = (ok[len(ok) // 2] if ok else 0.5) + args.e_delay_s
+            busy = []
+            for i, s in enumerate(shorts):
+                await quiesce(args.all_pids, args.settle_s)
+                long_spec = (orders[(i + 1) % len(orders)], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens)
+                short, long = await short_during_long(peer, prompts, long_spec, s, delay, deadline)
+                busy.append(short)
+                extra.setdefault(eng, []).append(long)
+            recs[eng], extra[f"{eng} idle"] = busy, idle
+        print(f"  {arm} {eng}: {sum(r['error'] is None for r in recs[eng])}/{len(recs[eng])} ok", flush=True)
+    if arm != "e":
+        return [row(arm, recs, walls)]
+    idle = {eng: extra.pop(f"{eng} idle") for eng in peers}
+    out = [row("e_idle", idle), row("e_busy", recs)]
+    out[1]["long_requests"] = extra
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", nargs="+", default=list("abcde"), choices=list("abcde"))
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--quick", action="store_true", help="2 orders x 2 turns, shorter decodes, 4 streams, 1 repeat")
+    ap.add_argument("--orders", type=int, default=4, help="skill orders (of the 6 permutations)")
+    ap.add_argument("--turns", type=int, default=5, help=f"user turns per order (at most {len(TURNS)})")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=128, help="arms c and e: the long generation")
+    ap.add_argument("--long-requests", type=int, default=3, help="arm c: long generations")
+    ap.add_argument("--concurrency", type=int, default=8, help="arm d: streams at once (llama-server -np)")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="arm d: tokens per stream")
+    ap.add_argument("--e-repeats", type=int, default=3)
+    ap.add_argument("--e-delay-s", type=float, default=0.5, help="arm e: after the long request's first token")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads of both engines")
+    ap.add_argument("--url", help="a running skillcache (loopback) instead of starting one; arm a then runs on it "
+                                  "as it is (prefix_tokens in the JSON show refined hits)")
+    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="for the started skillcache")
+    ap.add_argument("--llama-version", default=LLAMA_CPP_PYTHON, help="llama-cpp-python sdist to build from")
+    ap.add_argument("--build-jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--build-only", action="store_true", help="build (or find) llama-server and stop")
+    ap.add_argument("--deadline-s", type=float, default=1800, help="bound on the measured part")
+    ap.add_argument("--settle-s", type=float, default=600, help="bound on each wait for idle servers")
+    ap.add_argument("--timeout-s", type=float, default=300, help="per-request read timeout")
+    ap.add_argument("--keep-home", action="store_true", help="keep the temporary home (server logs)")
+    ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "peers.json"))
+    ap.add_argument("--png")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.orders, args.turns, args.decode_tokens, args.long_requests = 2, 2, 32, 1
+        args.concurrency, args.stream_tokens, args.e_repeats = 4, 16, 1
+    args.order_list = list(itertools.permutations(SKILLS))[:max(1, min(args.orders, 6))]
+    args.turns = max(1, min(args.turns, len(TURNS)))
+    return args
+
+
+def start_service(home: Path, threads: int, refine: bool, extra_env: list[str]) -> ServiceProcess:
+    env = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_TORCH_THREADS": str(threads)}
+    if not refine:
+        env["SKILLCACHE_REFINE_AFTER"] = "0"
+    env.update(kv.split("=", 1) for kv in extra_env)
+    svc = ServiceProcess(home, env, name=f"skillcache (refinement {'on' if refine else 'off'})", threads=threads)
+    print(f"starting {svc.name} on {svc.url}", flush=True)
+    return svc.start()
+
+
+async def skillcache_peer(args, svc: ServiceProcess | None, prompts: Prompts, client, meta: dict) -> Peer:
+    """The started (or --url) service once ready, its skills checked against the rendering here."""
+    if svc is not None:
+        try:
+            await asyncio.to_thread(svc.wait_ready, 600)
+        except ServiceNotReady as e:
+            raise SystemExit(str(e)) from None
+    url = svc.url if svc is not None else args.url.rstrip("/")
+    c = client(url)
+    meta.setdefault("skillcache", []).append({k: v for k, v in (await c.get("/readyz")).json().items()
+                                              if k in ("model", "model_fingerprint", "skills_preloaded")})
+    if svc is None:
+        with httpx.Client(base_url=url, timeout=600) as sync:
+            for name in SKILLS:
+                register(sync, load_skill(name))
+    for name in SKILLS:  # the service's own token count of each skill
+        n = (await c.get(f"/v1/skills/{name}")).json()["n_tokens"]
+        if n != len(prompts.skill_ids[name]):
+            raise SystemExit(f"{name}: skillcache counts {n} tokens, the rendering here {len(prompts.skill_ids[name])}")
+    return Peer("skillcache", c, svc.proc.pid if svc is not None else None)
+
+
+async def prime(peers: list[Peer], prompts: Prompts, orders, deadline: float) -> None:
+    """Each order seen twice by every engine (skillcache refines a sequence composed twice, llama.cpp keeps it)."""
+    for peer in peers:
+        await one_by_one(peer, prompts, [(o, t, 16) for t in PRIME_TURNS for o in orders], deadline)
+
+
+async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
+    meta: dict = {"environment": environment()}
+    home = Path(tempfile.mkdtemp(prefix="skillcache-peers-"))
+    if not args.keep_home:
+        stack.callback(shutil.rmtree, home, True)
+    (home / "skills").mkdir()
+    for name in SKILLS:  # preloaded by the started service: only what the benchmark uses
+        shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
+    timeout = httpx.Timeout(connect=10.0, read=args.timeout_s, write=30.0, pool=args.timeout_s)
+
+    def client(url: str) -> httpx.AsyncClient:
+        c = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=64))
+        stack.push_async_callback(c.aclose)
+        return c
+
+    llama: dict[str, Peer] = {}  # "one": -np 1 for arms a-c, "many": -np N for d and e
+    if "llama.cpp" in args.engines:
+        binary, meta["llama_build"] = ensure_llama_server(args.llama_version, args.build_jobs)
+        longest = max(len(prompts.ids(o, t)) for o in args.order_list for t in TURNS + LONG_TURNS + PRIME_TURNS + SHORT_TURNS)
+        per_slot = -(-(longest + max(args.decode_tokens, args.stream_tokens, args.max_tokens) + 64) // 256) * 256
+        servers = {}
+        if set(args.arms) & set("abc"):
+            servers["one"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-np1.log", parallel=1,
+                                         ctx=per_slot, threads=args.threads)
+        if set(args.arms) & set("de"):
+            servers["many"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-npN.log", parallel=args.concurrency,
+                                          ctx=per_slot * args.concurrency, threads=args.threads)
+        for key, srv in servers.items():
+            stack.callback(srv.stop)
+            srv.start()
+        for key, srv in servers.items():
+            meta.setdefault("llama_servers", {})[key] = {**srv.wait_ready(), "args": srv.cmd[1:]}
+            llama[key] = Peer("llama.cpp", client(srv.url), srv.proc.pid)
+    phases = [(arms, refine) for arms, refine in (([a for a in "a" if a in args.arms], False),
+                                                  ([a for a in "bcde" if a in args.arms], True)) if arms]
+    rows: list[dict] = []
+    deadline = time.perf_counter() + args.deadline_s
+    for arms, refine in phases:
+        sc = None
+        if "skillcache" in args.engines:
+            svc = None if args.url else start_service(home, args.threads, refine, args.server_env)
+            if svc is not None:
+                stack.callback(svc.stop)
+            sc = await skillcache_peer(args, svc, prompts, client, meta)
+        pids = [p.pid for p in [*llama.values(), sc] if p is not None and p.pid]
+        args.all_pids = pids
+        await quiesce(pids, args.settle_s)  # skillcache's seam calibrations of freshly compiled skills
+        if arms == ["a"]:  # warm-up, not measured
+            for peer in [p for p in (llama.get("one"), sc) if p]:
+                await send(peer, prompts, (args.order_list[0], WARM_TURN, 4), deadline, cache_prompt=False)
+        else:
+            await prime([p for p in (*llama.values(), sc) if p], prompts, args.order_list, deadline)
+        for arm in arms:
+            if time.perf_counter() >= deadline:
+                print(f"deadline reached: arm {arm} skipped", flush=True)
+                continue
+            peers = {"llama.cpp": llama.get("many" if arm in "de" else "one"), "skillcache": sc}
+            print(f"arm {arm} ...", flush=True)
+            rows += await run_arm(arm, args, {k: v for k, v in peers.items() if v}, prompts, deadline)
+        if sc is not None and sc.pid:
+            svc.stop()  # the next phase starts its own (same home: the compiled, calibrated blocks from disk)
+    meta["environment"]["loadavg_end"] = loadavg()
+    return {**meta, "rows": rows}
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    args = parse_args()
+    if args.url and httpx.URL(args.url).host not in LOOPBACK:
+        raise SystemExit(f"--url must be a loopback address (got {args.url})")
+    signal.signal(signal.SIGTERM, _interrupt)  # a TERM unwinds like Ctrl-C: every started server is stopped
+    t0 = time.perf_counter()
+    if args.build_only:
+        binary, info = ensure_llama_server(args.llama_version, args.build_jobs)
+        raise SystemExit(print(binary, info))
+    prompts = Prompts(SKILLS)
+
+    async def go():
+        async with AsyncExitStack() as stack:
+            return await measure(args, prompts, stack)
+
+    out = asyncio.run(go())
+    out.update(args={k: v for k, v in vars(args).items() if k not in ("all_pids",)}, elapsed_s=time.perf_counter() - t0,
+               skill_tokens={n: len(v) for n, v in prompts.skill_ids.items()})
+    rows = out["rows"]
+    print("\n" + detail(rows) + "\n\n" + table(rows))
+    for r in rows:
+        a = r["agreement"]
+        if a["pairs"]:
+            print(f"arm {r['arm']}: same greedy text {a['same_text']}/{a['pairs']}, same first word "
+                  f"{a['same_first_word']}/{a['pairs']}")
+    print(f"\nelapsed {out['elapsed_s']:.0f} s", flush=True)
+    write_json(args.json, out)
+    if args.png and rows:
+        env = out["environment"]
+        plot(rows, args.png, f"llama.cpp llama-server vs skillcache: SmolLM2-135M-Instruct, {env['cores']} cores, "
+                             f"{env['date']}, commit {env['commit']}")
+
+
+if __name__ == "__main__":
+    main()
