@@ -211,8 +211,10 @@ class Workload:
                 "mode": "full" if arm == "full" else "compose"}, None
 
 
-async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None, t_sched: float) -> dict:
-    """Send one request at once; times are measured from t_sched (its scheduled arrival)."""
+async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None, t_sched: float,
+              first_token: asyncio.Event | None = None) -> dict:
+    """Send one request at once; times are measured from t_sched (its scheduled arrival). first_token, when
+    given, is set as the first token arrives (bench/peers.py sends a request during another's decode)."""
     rec: dict = {"t_sched": t_sched, "status": None, "error": None, "ttft_s": None, "e2e_s": None,
                  "ttft_from_done": False, "text": ""}
     try:
@@ -246,6 +248,8 @@ async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None
                     rec["sources"] = [s.get("source") for s in ev.get("skills") or []]
                 elif ev["type"] == "error":
                     rec["error"] = (ev.get("error") or {}).get("type", "stream_error")
+                if first_token is not None and rec["ttft_s"] is not None:
+                    first_token.set()
             rec["e2e_s"] = time.perf_counter() - t_sched
             if rec["error"] is None and "usage" not in rec:
                 rec["error"] = "no_done_event"

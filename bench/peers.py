@@ -55,46 +55,69 @@ def row(arm: str, recs: dict[str, list[dict]], walls: dict | None = None) -> dic
             "records": recs}
 
 
+async def first_or_repeated(args, peer, prompts, deadline, first_time: bool) -> list[dict]:
+    """a / b: every order with every turn, the order changing with every request."""
+    specs = [(o, t, args.max_tokens) for t in TURNS[:args.turns] for o in args.order_list]
+    # a: llama.cpp computes every prompt token (skillcache's refinement is off in that phase)
+    cache_prompt = not (first_time and peer.engine == "llama.cpp")
+    return await one_by_one(peer, prompts, specs, deadline, cache_prompt=cache_prompt)
+
+
+async def long_decode(args, peer, prompts, deadline) -> list[dict]:
+    """c: long generations, one at a time (a repeated order, a new turn)."""
+    specs = [(args.order_list[0], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens)
+             for i in range(args.long_requests)]
+    return await one_by_one(peer, prompts, specs, deadline)
+
+
+async def concurrent(args, peer, prompts, deadline) -> tuple[list[dict], float | None]:
+    """d: a round to warm every slot (llama.cpp keeps K/V per slot), then the measured round on new turns."""
+    orders = [args.order_list[i % len(args.order_list)] for i in range(args.concurrency)]
+    per = len(args.order_list)
+    await all_at_once(peer, prompts, [(o, PRIME_TURNS[i // per % len(PRIME_TURNS)], args.stream_tokens)
+                                      for i, o in enumerate(orders)], deadline)
+    await quiesce(args.all_pids, args.settle_s)
+    return await all_at_once(peer, prompts, [(o, TURNS[i % len(TURNS)], args.stream_tokens)
+                                             for i, o in enumerate(orders)], deadline)
+
+
+async def short_while_busy(args, peer, prompts, deadline) -> tuple[list[dict], list[dict], list[dict]]:
+    """e: short requests idle, then others each during another request's long decode: (busy, idle, the long ones).
+    Turns no request used before (llama.cpp would serve a whole repeated prompt from its cache)."""
+    orders, n = args.order_list, args.max_tokens
+    idle = await one_by_one(peer, prompts, [(orders[i % len(orders)], SHORT_TURNS[2 * i % len(SHORT_TURNS)], n)
+                                            for i in range(args.e_repeats)], deadline)
+    busy, longs = [], []
+    for i in range(args.e_repeats):
+        await quiesce(args.all_pids, args.settle_s)
+        long_spec = (orders[(i + 1) % len(orders)], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens)
+        short_spec = (orders[i % len(orders)], SHORT_TURNS[(2 * i + 1) % len(SHORT_TURNS)], n)
+        short, long = await short_during_long(peer, prompts, long_spec, short_spec, args.e_delay_s, deadline)
+        busy.append(short)
+        longs.append(long)
+    return busy, idle, longs
+
+
 async def run_arm(arm: str, args, peers: dict, prompts: Prompts, deadline: float) -> list[dict]:
     """Every engine's part of one arm, each after all servers went idle. Returns the arm's table rows."""
-    orders, turns, n = args.order_list, TURNS[:args.turns], args.max_tokens
-    cycled = [(o, t, n) for t in turns for o in orders]  # the order changes with every request
     recs: dict[str, list] = {}
     walls: dict[str, float | None] = {}
-    extra: dict[str, list] = {}
+    idle: dict[str, list] = {}
+    longs: dict[str, list] = {}
     for eng, peer in peers.items():
         await quiesce(args.all_pids, args.settle_s)
-        if arm in ("a", "b"):
-            recs[eng] = await one_by_one(peer, prompts, cycled, deadline, **({"cache_prompt": False}
-                                                                              if arm == "a" and eng == "llama.cpp" else {}))
+        if arm in "ab":
+            recs[eng] = await first_or_repeated(args, peer, prompts, deadline, first_time=arm == "a")
         elif arm == "c":
-            specs = [(orders[0], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens) for i in range(args.long_requests)]
-            recs[eng] = await one_by_one(peer, prompts, specs, deadline)
+            recs[eng] = await long_decode(args, peer, prompts, deadline)
         elif arm == "d":
-            specs = [(orders[i % len(orders)], TURNS[i % len(TURNS)], args.stream_tokens) for i in range(args.concurrency)]
-            recs[eng], walls[eng] = await all_at_once(peer, prompts, specs, deadline)
-        else:  # e: the same short requests idle, then each during another request's long decode
-            # turns no engine has seen (llama.cpp would serve a repeat of the whole prompt from its cache)
-            shorts = [(orders[i % len(orders)], SHORT_TURNS[2 * i % len(SHORT_TURNS)], n) for i in range(args.e_repeats)]
-            idle = await one_by_one(peer, prompts, shorts, deadline)
-            shorts = [(o, SHORT_TURNS[(2 * i + 1) % len(SHORT_TURNS)], n) for i, (o, _, n) in enumerate(shorts)]
-            ok = sorted(r["ttft_s"] for r in idle if r["error"] is None)
-            delay = (ok[len(ok) // 2] if ok else 0.5) + args.e_delay_s
-            busy = []
-            for i, s in enumerate(shorts):
-                await quiesce(args.all_pids, args.settle_s)
-                long_spec = (orders[(i + 1) % len(orders)], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens)
-                short, long = await short_during_long(peer, prompts, long_spec, s, delay, deadline)
-                busy.append(short)
-                extra.setdefault(eng, []).append(long)
-            recs[eng], extra[f"{eng} idle"] = busy, idle
+            recs[eng], walls[eng] = await concurrent(args, peer, prompts, deadline)
+        else:
+            recs[eng], idle[eng], longs[eng] = await short_while_busy(args, peer, prompts, deadline)
         print(f"  {arm} {eng}: {sum(r['error'] is None for r in recs[eng])}/{len(recs[eng])} ok", flush=True)
     if arm != "e":
         return [row(arm, recs, walls)]
-    idle = {eng: extra.pop(f"{eng} idle") for eng in peers}
-    out = [row("e_idle", idle), row("e_busy", recs)]
-    out[1]["long_requests"] = extra
-    return out
+    return [row("e_idle", idle), {**row("e_busy", recs), "long_requests": longs}]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=8, help="arm d: streams at once (llama-server -np)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="arm d: tokens per stream")
     ap.add_argument("--e-repeats", type=int, default=3)
-    ap.add_argument("--e-delay-s", type=float, default=0.5, help="arm e: after the long request's first token")
+    ap.add_argument("--e-delay-s", type=float, default=0.5,
+                    help="arm e: the short request is sent this long after the long one's first token")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads of both engines")
     ap.add_argument("--url", help="a running skillcache (loopback) instead of starting one; arm a then runs on it "
                                   "as it is (prefix_tokens in the JSON show refined hits)")
@@ -189,15 +213,17 @@ async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
     llama: dict[str, Peer] = {}  # "one": -np 1 for arms a-c, "many": -np N for d and e
     if "llama.cpp" in args.engines:
         binary, meta["llama_build"] = ensure_llama_server(args.llama_version, args.build_jobs)
-        longest = max(len(prompts.ids(o, t)) for o in args.order_list for t in TURNS + LONG_TURNS + PRIME_TURNS + SHORT_TURNS)
+        turns = TURNS + LONG_TURNS + PRIME_TURNS + SHORT_TURNS
+        longest = max(len(prompts.ids(o, t)) for o in args.order_list for t in turns)
         per_slot = -(-(longest + max(args.decode_tokens, args.stream_tokens, args.max_tokens) + 64) // 256) * 256
         servers = {}
         if set(args.arms) & set("abc"):
             servers["one"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-np1.log", parallel=1,
                                          ctx=per_slot, threads=args.threads)
         if set(args.arms) & set("de"):
-            servers["many"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-npN.log", parallel=args.concurrency,
-                                          ctx=per_slot * args.concurrency, threads=args.threads)
+            servers["many"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-npN.log",
+                                          parallel=args.concurrency, ctx=per_slot * args.concurrency,
+                                          threads=args.threads)
         for key, srv in servers.items():
             stack.callback(srv.stop)
             srv.start()

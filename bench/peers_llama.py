@@ -8,6 +8,7 @@ there already is reused.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -139,7 +140,7 @@ class LlamaServer:
 
 
 async def llama_one(client: httpx.AsyncClient, ids: list[int], n_predict: int, t_sched: float,
-                    cache_prompt: bool = True) -> dict:
+                    cache_prompt: bool = True, first_token: asyncio.Event | None = None) -> dict:
     """One streamed greedy /completion of a token-id prompt. Times from t_sched; the first token is the first
     chunk that carries a token. prompt_n: prompt tokens the server actually computed (the rest came from its
     cache), tokens_evaluated: the whole prompt as it saw it (must equal len(ids))."""
@@ -167,6 +168,9 @@ async def llama_one(client: httpx.AsyncClient, ids: list[int], n_predict: int, t
                                server_ms={"prompt": t.get("prompt_ms"), "predicted": t.get("predicted_ms")})
                     if rec["ttft_s"] is None:  # nothing generated (an end-of-generation token first)
                         rec["ttft_s"] = now - t_sched
+                if first_token is not None and rec["ttft_s"] is not None:
+                    first_token.set()
+                if ev.get("stop"):
                     break
         rec["e2e_s"] = time.perf_counter() - t_sched
         if "completion_tokens" not in rec:

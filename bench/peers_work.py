@@ -51,16 +51,17 @@ class Prompts:
 
 
 async def send(peer: Peer, prompts: Prompts, spec: tuple, deadline: float, t_sched: float | None = None,
-               cache_prompt: bool = True) -> dict:
-    """One streamed request, spec = (order, user, max_tokens), on either engine; one record shape for both."""
+               cache_prompt: bool = True, first_token: asyncio.Event | None = None) -> dict:
+    """One streamed request, spec = (order, user, max_tokens), on either engine; one record shape for both.
+    first_token: set when its first token arrives."""
     order, user, n = spec
     ids = prompts.ids(order, user)
     t_sched = t_sched if t_sched is not None else time.perf_counter()
     if peer.engine == "llama.cpp":
-        coro = llama_one(peer.client, ids, n, t_sched, cache_prompt)
+        coro = llama_one(peer.client, ids, n, t_sched, cache_prompt, first_token)
     else:
         body = {"skills": list(order), "user": user, "max_tokens": n, "temperature": 0.0, "stream": True}
-        coro = skillcache_one(peer.client, body, None, t_sched)
+        coro = skillcache_one(peer.client, body, None, t_sched, first_token)
     rec = await _bounded(coro, deadline) or {"error": "deadline"}
     rec.update(engine=peer.engine, order=list(order), user=user, t_sched=t_sched, n_ids=len(ids))
     if peer.engine == "llama.cpp":
@@ -86,9 +87,14 @@ async def all_at_once(peer, prompts, specs, deadline) -> tuple[list[dict], float
 
 
 async def short_during_long(peer, prompts, long_spec, short_spec, delay_s, deadline) -> tuple[dict, dict]:
-    """The short request is sent delay_s after the long one; it counts only if the long one was decoding then."""
+    """The short request is sent delay_s after the long one's first token; it counts only if the long one was
+    still decoding then."""
     t0 = time.perf_counter()
-    long_task = asyncio.create_task(send(peer, prompts, long_spec, deadline, t_sched=t0))
+    first = asyncio.Event()
+    long_task = asyncio.create_task(send(peer, prompts, long_spec, deadline, t_sched=t0, first_token=first))
+    waiter = asyncio.create_task(first.wait())
+    await asyncio.wait([waiter, long_task], return_when=asyncio.FIRST_COMPLETED)  # the first token, or no stream
+    waiter.cancel()
     await asyncio.sleep(delay_s)
     t1 = time.perf_counter()
     short = await send(peer, prompts, short_spec, deadline, t_sched=t1)
