@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -40,7 +41,7 @@ import httpx
 from load import LOOPBACK, load_skill, register
 from peers_llama import LLAMA_CPP_PYTHON, LlamaServer, ensure_llama_server
 from peers_run import Peer, environment, loadavg, quiesce
-from peers_stats import ENGINES, agreement, detail, plot, ratios, summarize, table
+from peers_stats import ENGINES, agreement, ratios, report, summarize
 from peers_work import (LONG_TURNS, PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, WARM_TURN, Prompts, all_at_once,
                         one_by_one, send, short_during_long)
 
@@ -148,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-home", action="store_true", help="keep the temporary home (server logs)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "peers.json"))
     ap.add_argument("--png")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of (and plot) an earlier run's JSON; no run")
     args = ap.parse_args(argv)
     if args.quick:
         args.orders, args.turns, args.decode_tokens, args.long_requests = 2, 2, 32, 1
@@ -272,6 +274,8 @@ def main() -> None:
         raise SystemExit(f"--url must be a loopback address (got {args.url})")
     signal.signal(signal.SIGTERM, _interrupt)  # a TERM unwinds like Ctrl-C: every started server is stopped
     t0 = time.perf_counter()
+    if args.report:
+        return report(json.loads(Path(args.report).read_text()), args.png)
     if args.build_only:
         binary, info = ensure_llama_server(args.llama_version, args.build_jobs)
         raise SystemExit(print(binary, info))
@@ -284,20 +288,8 @@ def main() -> None:
     out = asyncio.run(go())
     out.update(args={k: v for k, v in vars(args).items() if k not in ("all_pids",)}, elapsed_s=time.perf_counter() - t0,
                skill_tokens={n: len(v) for n, v in prompts.skill_ids.items()})
-    rows = out["rows"]
-    print("\n" + detail(rows) + "\n\n" + table(rows))
-    for r in rows:
-        a = r["agreement"]
-        if a["pairs"]:
-            print(f"arm {r['arm']}: same greedy text {a['same_text']}/{a['pairs']}, same first word "
-                  f"{a['same_first_word']}/{a['pairs']}")
-    print(f"\nelapsed {out['elapsed_s']:.0f} s", flush=True)
     write_json(args.json, out)
-    if args.png and rows:
-        env = out["environment"]
-        plot(rows, args.png, f"llama.cpp llama-server vs skillcache: SmolLM2-135M-Instruct, {env['cores']} cores, "
-                             f"{env['date']}, commit {env['commit']}")
-
+    report(out, args.png)
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,11 @@ METRICS = {"ttft_p50": ("first token p50 (ms)", False), "ttft_p90": ("first toke
            "e2e_p50": ("end to end p50 (ms)", False), "e2e_p90": ("end to end p90 (ms)", False),
            "tok_s": ("tokens/s", True), "decode_tok_s": ("decode tokens/s p50", True)}
 
+# the table's metrics per arm (default: first token, end to end, tokens/s). d: one stream's decode rate would
+# flatter a serial engine (each stream decodes alone, after waiting), so its waits are shown instead
+TABLE_METRICS = {"c": ["tok_s", "decode_tok_s"], "d": ["tok_s", "ttft_p50", "ttft_p90", "e2e_p90"],
+                 "e_idle": ["ttft_p50", "ttft_p90", "e2e_p50"], "e_busy": ["ttft_p50", "ttft_p90", "e2e_p50"]}
+
 
 def decode_rate(r: dict) -> float | None:
     """Tokens per second after the first one: the stream's decode speed."""
@@ -93,7 +98,7 @@ def table(rows: list[dict]) -> str:
     out = ["| arm | metric | llama.cpp | skillcache | llama.cpp / skillcache | skillcache |",
            "| --- | --- | ---: | ---: | ---: | --- |"]
     for row in rows:
-        metrics = ["tok_s", "decode_tok_s"] if row["arm"] in ("c", "d") else ["ttft_p50", "ttft_p90", "e2e_p50", "tok_s"]
+        metrics = TABLE_METRICS.get(row["arm"], ["ttft_p50", "ttft_p90", "e2e_p50", "tok_s"])
         for m in metrics:
             a, b = row["llama.cpp"].get(m), row["skillcache"].get(m)
             if a is None and b is None:
@@ -154,3 +159,21 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(out: dict, png: str | None) -> None:
+    """Print a run's tables (from bench/peers.py's JSON as well) and draw its plot."""
+    rows = out["rows"]
+    print("\n" + detail(rows) + "\n\n" + table(rows))
+    for r in rows:
+        a = r["agreement"]
+        if a["pairs"]:
+            print(f"arm {r['arm']}: same greedy text {a['same_text']}/{a['pairs']}, same first word "
+                  f"{a['same_first_word']}/{a['pairs']}")
+    env = out["environment"]
+    print(f"\n{env['date']}, commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, {env['cpu']}, "
+          f"{env['cores']} cores, {out['args']['threads']} thread(s) per engine, load average "
+          f"{env['loadavg_start']} -> {env.get('loadavg_end')}; elapsed {out['elapsed_s']:.0f} s", flush=True)
+    if png and rows:
+        plot(rows, png, f"llama.cpp llama-server vs skillcache: SmolLM2-135M-Instruct, {env['cores']} cores, "
+                        f"{out['args']['threads']} thread(s) each, {env['date']}, commit {env['commit']}")
