@@ -38,14 +38,14 @@ from pathlib import Path
 
 from common import write_json  # first: puts this checkout ahead of any installed copy on sys.path
 import httpx
-from load import LOOPBACK, load_skill, register
+from load import LOOPBACK
 from peers_llama import LLAMA_CPP_PYTHON, LlamaServer, ensure_llama_server
 from peers_run import Peer, environment, loadavg, quiesce
 from peers_stats import ENGINES, agreement, ratios, report, summarize
 from peers_work import (LONG_TURNS, PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, WARM_TURN, Prompts, all_at_once,
-                        one_by_one, send, short_during_long)
+                        one_by_one, send, short_during_long, skillcache_peer, start_service)
 
-from service.devserver import ROOT, ServiceNotReady, ServiceProcess
+from service.devserver import ROOT
 from service.runtime.loader import embedded_gguf_path
 
 
@@ -54,6 +54,11 @@ def row(arm: str, recs: dict[str, list[dict]], walls: dict | None = None) -> dic
     pairs = list(zip(recs.get("llama.cpp", []), recs.get("skillcache", [])))
     return {"arm": arm, **s, "ratio": ratios(s["llama.cpp"], s["skillcache"]), "agreement": agreement(pairs),
             "records": recs}
+
+
+async def idle_wait(args, deadline: float) -> float:
+    """Until every server this run started is idle: at most --settle-s, and not past the deadline."""
+    return await quiesce(args.all_pids, max(0.0, min(args.settle_s, deadline - time.perf_counter())))
 
 
 async def first_or_repeated(args, peer, prompts, deadline, first_time: bool) -> list[dict]:
@@ -77,7 +82,7 @@ async def concurrent(args, peer, prompts, deadline) -> tuple[list[dict], float |
     per = len(args.order_list)
     await all_at_once(peer, prompts, [(o, PRIME_TURNS[i // per % len(PRIME_TURNS)], args.stream_tokens)
                                       for i, o in enumerate(orders)], deadline)
-    await quiesce(args.all_pids, args.settle_s)
+    await idle_wait(args, deadline)
     return await all_at_once(peer, prompts, [(o, TURNS[i % len(TURNS)], args.stream_tokens)
                                              for i, o in enumerate(orders)], deadline)
 
@@ -90,7 +95,7 @@ async def short_while_busy(args, peer, prompts, deadline) -> tuple[list[dict], l
                                             for i in range(args.e_repeats)], deadline)
     busy, longs = [], []
     for i in range(args.e_repeats):
-        await quiesce(args.all_pids, args.settle_s)
+        await idle_wait(args, deadline)
         long_spec = (orders[(i + 1) % len(orders)], LONG_TURNS[i % len(LONG_TURNS)], args.decode_tokens)
         short_spec = (orders[i % len(orders)], SHORT_TURNS[(2 * i + 1) % len(SHORT_TURNS)], n)
         short, long = await short_during_long(peer, prompts, long_spec, short_spec, args.e_delay_s, deadline)
@@ -106,7 +111,7 @@ async def run_arm(arm: str, args, peers: dict, prompts: Prompts, deadline: float
     idle: dict[str, list] = {}
     longs: dict[str, list] = {}
     for eng, peer in peers.items():
-        await quiesce(args.all_pids, args.settle_s)
+        await idle_wait(args, deadline)
         if arm in "ab":
             recs[eng] = await first_or_repeated(args, peer, prompts, deadline, first_time=arm == "a")
         elif arm == "c":
@@ -159,45 +164,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_service(home: Path, threads: int, refine: bool, extra_env: list[str]) -> ServiceProcess:
-    env = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_TORCH_THREADS": str(threads)}
-    if not refine:
-        env["SKILLCACHE_REFINE_AFTER"] = "0"
-    env.update(kv.split("=", 1) for kv in extra_env)
-    svc = ServiceProcess(home, env, name=f"skillcache (refinement {'on' if refine else 'off'})", threads=threads)
-    print(f"starting {svc.name} on {svc.url}", flush=True)
-    return svc.start()
+STARTED: list = []  # every server this run started: main() stops them all, however the run ends
 
 
-async def skillcache_peer(args, svc: ServiceProcess | None, prompts: Prompts, client, meta: dict) -> Peer:
-    """The started (or --url) service once ready, its skills checked against the rendering here."""
-    if svc is not None:
-        try:
-            await asyncio.to_thread(svc.wait_ready, 600)
-        except ServiceNotReady as e:
-            raise SystemExit(str(e)) from None
-    url = svc.url if svc is not None else args.url.rstrip("/")
-    c = client(url)
-    meta.setdefault("skillcache", []).append({k: v for k, v in (await c.get("/readyz")).json().items()
-                                              if k in ("model", "model_fingerprint", "skills_preloaded")})
-    if svc is None:
-        with httpx.Client(base_url=url, timeout=600) as sync:
-            for name in SKILLS:
-                register(sync, load_skill(name))
-    for name in SKILLS:  # the service's own token count of each skill
-        n = (await c.get(f"/v1/skills/{name}")).json()["n_tokens"]
-        if n != len(prompts.skill_ids[name]):
-            raise SystemExit(f"{name}: skillcache counts {n} tokens, the rendering here {len(prompts.skill_ids[name])}")
-    return Peer("skillcache", c, svc.proc.pid if svc is not None else None)
-
-
-async def prime(peers: list[Peer], prompts: Prompts, orders, deadline: float) -> None:
+async def prime(peers: list[Peer], prompts: Prompts, orders, n: int, deadline: float) -> None:
     """Each order seen twice by every engine (skillcache refines a sequence composed twice, llama.cpp keeps it)."""
     for peer in peers:
-        await one_by_one(peer, prompts, [(o, t, 16) for t in PRIME_TURNS for o in orders], deadline)
+        await one_by_one(peer, prompts, [(o, t, n) for t in PRIME_TURNS for o in orders], deadline)
 
 
-async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
+async def measure(args, prompts: Prompts, build: tuple | None, stack: AsyncExitStack) -> dict:
     meta: dict = {"environment": environment()}
     home = Path(tempfile.mkdtemp(prefix="skillcache-peers-"))
     if not args.keep_home:
@@ -207,14 +183,19 @@ async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
         shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
     timeout = httpx.Timeout(connect=10.0, read=args.timeout_s, write=30.0, pool=args.timeout_s)
 
+    def track(srv):  # stopped as the run unwinds (before its home is removed), and by main() in any case
+        STARTED.append(srv)
+        stack.callback(srv.stop)
+        return srv
+
     def client(url: str) -> httpx.AsyncClient:
         c = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=64))
         stack.push_async_callback(c.aclose)
         return c
 
     llama: dict[str, Peer] = {}  # "one": -np 1 for arms a-c, "many": -np N for d and e
-    if "llama.cpp" in args.engines:
-        binary, meta["llama_build"] = ensure_llama_server(args.llama_version, args.build_jobs)
+    if build is not None:
+        binary, meta["llama_build"] = build
         turns = TURNS + LONG_TURNS + PRIME_TURNS + SHORT_TURNS
         longest = max(len(prompts.ids(o, t)) for o in args.order_list for t in turns)
         per_slot = -(-(longest + max(args.decode_tokens, args.stream_tokens, args.max_tokens) + 64) // 256) * 256
@@ -226,9 +207,8 @@ async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
             servers["many"] = LlamaServer(binary, embedded_gguf_path(), home / "llama-npN.log",
                                           parallel=args.concurrency, ctx=per_slot * args.concurrency,
                                           threads=args.threads)
-        for key, srv in servers.items():
-            stack.callback(srv.stop)
-            srv.start()
+        for srv in servers.values():
+            track(srv).start()
         for key, srv in servers.items():
             meta.setdefault("llama_servers", {})[key] = {**srv.wait_ready(), "args": srv.cmd[1:]}
             llama[key] = Peer("llama.cpp", client(srv.url), srv.proc.pid)
@@ -239,9 +219,7 @@ async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
     for arms, refine in phases:
         sc = None
         if "skillcache" in args.engines:
-            svc = None if args.url else start_service(home, args.threads, refine, args.server_env)
-            if svc is not None:
-                stack.callback(svc.stop)
+            svc = None if args.url else track(start_service(home, args.threads, refine, args.server_env))
             sc = await skillcache_peer(args, svc, prompts, client, meta)
         pids = [p.pid for p in [*llama.values(), sc] if p is not None and p.pid]
         args.all_pids = pids
@@ -250,7 +228,7 @@ async def measure(args, prompts: Prompts, stack: AsyncExitStack) -> dict:
             for peer in [p for p in (llama.get("one"), sc) if p]:
                 await send(peer, prompts, (args.order_list[0], WARM_TURN, 4), deadline, cache_prompt=False)
         else:
-            await prime([p for p in (*llama.values(), sc) if p], prompts, args.order_list, deadline)
+            await prime([p for p in (*llama.values(), sc) if p], prompts, args.order_list, args.max_tokens, deadline)
         for arm in arms:
             if time.perf_counter() >= deadline:
                 print(f"deadline reached: arm {arm} skipped", flush=True)
@@ -272,20 +250,28 @@ def main() -> None:
     args = parse_args()
     if args.url and httpx.URL(args.url).host not in LOOPBACK:
         raise SystemExit(f"--url must be a loopback address (got {args.url})")
-    signal.signal(signal.SIGTERM, _interrupt)  # a TERM unwinds like Ctrl-C: every started server is stopped
-    t0 = time.perf_counter()
     if args.report:
         return report(json.loads(Path(args.report).read_text()), args.png)
+    signal.signal(signal.SIGTERM, _interrupt)  # a TERM stops the build like Ctrl-C (its process group is killed)
+    t0 = time.perf_counter()
+    build = ensure_llama_server(args.llama_version, args.build_jobs) if "llama.cpp" in args.engines else None
     if args.build_only:
-        binary, info = ensure_llama_server(args.llama_version, args.build_jobs)
-        raise SystemExit(print(binary, info))
+        return print(build[0] if build else "no llama.cpp engine", json.dumps(build[1] if build else {}, indent=2))
     prompts = Prompts(SKILLS)
 
     async def go():
+        # in the loop a TERM cancels the run like Ctrl-C does (asyncio.run), and unwinds it
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         async with AsyncExitStack() as stack:
-            return await measure(args, prompts, stack)
+            return await measure(args, prompts, build, stack)
 
-    out = asyncio.run(go())
+    try:
+        out = asyncio.run(go())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        raise SystemExit("interrupted") from None
+    finally:
+        for srv in STARTED:
+            srv.stop()
     out.update(args={k: v for k, v in vars(args).items() if k not in ("all_pids",)}, elapsed_s=time.perf_counter() - t0,
                skill_tokens={n: len(v) for n, v in prompts.skill_ids.items()})
     write_json(args.json, out)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -29,13 +31,20 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
 
 
 def _run(cmd: list[str], log: Path, timeout_s: float, cwd: Path | None = None) -> None:
+    """cmd in its own process group, which is killed whole (cmake's ninja and compilers too) on a timeout, an
+    error or Ctrl-C."""
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{cmd[0]} failed ({rc}); log {log}:\n{tail}")

@@ -1,4 +1,5 @@
-"""The workload of bench/peers.py: token-identical prompts for both engines, and requests on either one."""
+"""The workload of bench/peers.py: token-identical prompts for both engines, requests on either one, and the
+skillcache service under test."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import os
 import time
 from pathlib import Path
 
-from load import _bounded, load_skill, one as skillcache_one
+import httpx
+from load import _bounded, load_skill, one as skillcache_one, register
 from peers_llama import llama_one
 from peers_run import Peer
 
-from service.devserver import caller_home
+from service.devserver import ServiceProcess, caller_home
 from service.registry.skill import render
 
 SKILLS = ["refund-policy", "tool-specs", "style-guide"]
@@ -105,3 +107,42 @@ async def short_during_long(peer, prompts, long_spec, short_spec, delay_s, deadl
         short["error"] = "no_overlap: the long request was not decoding when the short one was sent"
     short["sent_after_long_s"] = t1 - t0
     return short, long
+
+
+def start_service(home: Path, threads: int, refine: bool, extra_env: list[str]) -> ServiceProcess:
+    env = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_TORCH_THREADS": str(threads)}
+    if not refine:
+        env["SKILLCACHE_REFINE_AFTER"] = "0"
+    env.update(kv.split("=", 1) for kv in extra_env)
+    svc = ServiceProcess(home, env, name=f"skillcache (refinement {'on' if refine else 'off'})", threads=threads)
+    print(f"starting {svc.name} on {svc.url}", flush=True)
+    return svc.start()
+
+
+async def skillcache_peer(args, svc: ServiceProcess | None, prompts: Prompts, client, meta: dict) -> Peer:
+    """The started (or --url) service once ready, its skills checked against the rendering here."""
+    url = svc.url if svc is not None else args.url.rstrip("/")
+    c = client(url)
+    t0 = time.monotonic()
+    while svc is not None and (await _ready(c)) is False:  # polled here, so Ctrl-C or TERM cancel the wait
+        if svc.proc.poll() is not None or time.monotonic() - t0 > 600:
+            raise SystemExit(f"{svc.name} did not get ready\n{svc.log_tail()}")
+        await asyncio.sleep(0.2)
+    meta.setdefault("skillcache", []).append({k: v for k, v in (await c.get("/readyz")).json().items()
+                                              if k in ("model", "model_fingerprint", "skills_preloaded")})
+    if svc is None:
+        with httpx.Client(base_url=url, timeout=600) as sync:
+            for name in SKILLS:
+                register(sync, load_skill(name))
+    for name in SKILLS:  # the service's own token count of each skill
+        n = (await c.get(f"/v1/skills/{name}")).json()["n_tokens"]
+        if n != len(prompts.skill_ids[name]):
+            raise SystemExit(f"{name}: skillcache counts {n} tokens, the rendering here {len(prompts.skill_ids[name])}")
+    return Peer("skillcache", c, svc.proc.pid if svc is not None else None)
+
+
+async def _ready(c: httpx.AsyncClient) -> bool:
+    try:
+        return (await c.get("/readyz")).status_code == 200
+    except httpx.TransportError:
+        return False
