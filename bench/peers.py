@@ -66,7 +66,11 @@ async def first_or_repeated(args, peer, prompts, deadline, first_time: bool) -> 
     specs = [(o, t, args.max_tokens) for t in TURNS[:args.turns] for o in args.order_list]
     # a: llama.cpp computes every prompt token (skillcache's refinement is off in that phase)
     cache_prompt = not (first_time and peer.engine == "llama.cpp")
-    return await one_by_one(peer, prompts, specs, deadline, cache_prompt=cache_prompt)
+    recs = await one_by_one(peer, prompts, specs, deadline, cache_prompt=cache_prompt)
+    for r in recs if not cache_prompt else []:
+        if r["error"] is None and r.get("prompt_n") != r["n_ids"]:
+            r["error"] = f"cache_hit: llama.cpp computed {r.get('prompt_n')} of {r['n_ids']} prompt tokens"
+    return recs
 
 
 async def long_decode(args, peer, prompts, deadline) -> list[dict]:
