@@ -19,9 +19,10 @@ class Settings(BaseSettings):
                                       "chatml, gemma, llama3. Unset: the tokenizer's; none there: plain text")
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8"] = Field("none", description="int8: the linear layers in int8 with one "
-                                                  "scale per output channel and per token (W8A8; activations, "
-                                                  "norms, attention and K/V stay in `dtype`): CPU speed")
+    quantization: Literal["none", "int8", "w8a8"] = Field(
+        "none", description="CPU weight formats of the linear layers: int8 (weights int8 per output channel, "
+        "activations bfloat16), w8a8 (int8 weights and int8 activations with one scale per token); norms, "
+        "attention and K/V stay in `dtype`. docs/BENCHMARKS.md 'CPU weight formats' has speed and quality")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's default (one per "

@@ -115,14 +115,14 @@ def tiny_config(family: str, **overrides):
 
 @functools.lru_cache(maxsize=None)
 def tiny_runtime(family: str, dtype: torch.dtype = torch.float32, quantization: str = "none") -> ModelRuntime:
-    """`quantization="int8"`: the linear layers as service.runtime.quantize.Int8Linear (a CPU weight format)."""
+    """`quantization`: "int8" or "w8a8", the linear layers in a CPU weight format (service/runtime/quantize.py)."""
     cfg = tiny_config(family)
     cfg._attn_implementation = "eager" if family in EAGER else "sdpa"
     loaded = build_random_model(cfg, tiny_tokenizer(), seed=0, dtype=dtype)
-    if quantization == "int8":
+    if quantization != "none":
         from service.runtime.quantize import quantize_linears
 
-        quantize_linears(loaded.model)
+        quantize_linears(loaded.model, quantization)
     fp = model_fingerprint(loaded.model, loaded.tokenizer, [], dtype, quantization=quantization)
     return ModelRuntime(loaded, fp)
 

@@ -19,10 +19,10 @@ def build_runtime(settings: Settings):
     digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
     loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
     loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it
-    if settings.quantization == "int8":
+    if settings.quantization != "none":
         from service.runtime.quantize import quantize_linears
 
-        quantize_linears(loaded.model)
+        quantize_linears(loaded.model, settings.quantization)
     fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
                            quantization=settings.quantization)
     return ModelRuntime(loaded, fp)

@@ -1,13 +1,20 @@
-"""CPU weight formats: int8 linear layers with per-token activation scales (W8A8), for fast eager CPU forwards.
+"""CPU weight formats: the decoder's linear layers (attention, MLP, LM head) in int8, for fast eager CPU forwards.
 
-`quantize_linears(model)` swaps every nn.Linear of the decoder (attention, MLP and the LM head) for an
-`Int8Linear`: weights int8 with one scale per output channel, activations quantized to int8 on the fly with one
-scale per token (row), then `torch._int_mm` (int8 x int8 -> exact int32; VNNI on x86) and a rescale. Why per
-token: torch's `quantize_dynamic` takes one activation scale over the whole input, so in a batched decode step a
-row's result would depend on what else is in the batch (its scale is the batch's largest value). Per-token scales
-keep each row's arithmetic its own: the int32 products are exact, the rescale is elementwise, and a request gets
-the same output alone or in any batch (tests/runtime/test_quantize.py). Embeddings, norms and attention stay
-float32. Quality against float32 and speed are measured in docs/BENCHMARKS.md ("CPU weight formats").
+`quantize_linears(model, kind)` swaps every nn.Linear for one of:
+- `int8` (`Int8WeightLinear`): weights int8 with one scale per output channel, activations in bfloat16,
+  `torch._weight_int8pack_mm`: it reads a quarter of float32's weight bytes, so a decode step (few rows, bound
+  by memory) gets 2-4x faster linears; a prefill chunk (many rows, bound by compute) runs about as fast as
+  float32. The kernel computes each row alike whatever the row count (bitwise), but the bfloat16 activations
+  round: a float32 difference of 1e-6 upstream (attention over a prompt cut into other pieces) can flip a
+  rounding, so a composition matches its full recompute to bfloat16's level, not float32's. Close to
+  bfloat16 in quality.
+- `w8a8` (`Int8Linear`): activations quantized too, one scale per token (row), then `torch._int_mm` (int8 x int8
+  -> exact int32; VNNI on x86) and a rescale. Faster for many rows, further from float32.
+Why per token and not torch's `quantize_dynamic`: that takes one activation scale over the whole input, so in a
+batched decode step a row's result would depend on what else is in the batch (its scale is the batch's largest
+value). Here each row's arithmetic is its own, and a request gets the same output alone or in any batch
+(tests/runtime/test_quantize.py). Embeddings, norms and attention stay in the model's dtype. Quality against
+float32 and speed: docs/BENCHMARKS.md ("CPU weight formats").
 """
 
 from __future__ import annotations
@@ -46,12 +53,40 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-token activations"
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Replace every nn.Linear under `model` (except names containing one of `skip`) in place; returns the count."""
+class Int8WeightLinear(nn.Module):
+    """y = x W^T + b with W int8 per output channel and x, y in bfloat16 inside `[..., K] -> [..., N]` (returned in
+    x's dtype)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        scale = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        self.register_buffer("wscale", scale.to(torch.bfloat16))  # [N]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)  # [T, K]
+        y = torch._weight_int8pack_mm(x2, self.qweight, self.wscale)  # [T, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
+
+
+KINDS = {"int8": Int8WeightLinear, "w8a8": Int8Linear}
+
+
+def quantize_linears(model: nn.Module, kind: str = "int8", skip: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear under `model` (except names containing one of `skip`) in place with the `kind` of
+    int8 linear; returns the count."""
+    cls = KINDS[kind]
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and not any(s in name for s in skip)]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod))
+        setattr(parent, child, cls(mod))
     return len(targets)

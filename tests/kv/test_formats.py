@@ -1,5 +1,5 @@
-"""The composition invariants on every CPU weight format: bfloat16 and int8 (W8A8, per-token activation scales)
-beside float32 (tests/kv/test_rotation.py runs them on every family in float32). Composition is exact relative to
+"""The composition invariants on every CPU weight format: bfloat16, int8 (weight-only, bfloat16 products) and W8A8
+(per-token activation scales) beside float32 (tests/kv/test_rotation.py runs them on every family in float32). Composition is exact relative to
 a full recompute on the same weights: re-rotated keys equal keys computed at the offset, layer-0 K/V after
 composition equal the full prefill's, a seam covering the whole block is the full prefill."""
 
@@ -10,9 +10,11 @@ from test_rotation import _compiled_at, _plan
 from tiny import random_ids, tiny_runtime
 
 # name -> (dtype, quantization, tolerance as a share of the tensor's largest magnitude). float32 agrees to ~1e-6 of
-# it; bfloat16 carries ~0.4% per rounding (measured: up to 2% after three layers); int8 is exact until an upstream
-# float32 rounding flips one activation's int8 rounding, one step being 1/127 of its row's largest value (~0.8%)
-FORMATS = {"bfloat16": (torch.bfloat16, "none", 0.03), "int8": (torch.float32, "int8", 0.01)}
+# it; bfloat16 carries ~0.4% per rounding (measured: up to 2% after three layers; int8's products are bfloat16
+# too); w8a8 is exact until an upstream float32 rounding flips one activation's int8 rounding, one step being
+# 1/127 of its row's largest value (~0.8%)
+FORMATS = {"bfloat16": (torch.bfloat16, "none", 0.03), "int8": (torch.float32, "int8", 0.03),
+           "w8a8": (torch.float32, "w8a8", 0.01)}
 FAMILIES = ["llama", "qwen2", "gemma3"]
 CASES = [(f, fmt) for f in FAMILIES for fmt in FORMATS]
 

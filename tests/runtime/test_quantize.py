@@ -1,23 +1,26 @@
-"""int8 weights with per-token activation scales: close to float32, and a request's output does not depend on what
-else is in its batch (the control: torch's quantize_dynamic, one activation scale per input, does leak)."""
+"""The int8 CPU weight formats (weight-only int8, and W8A8 with per-token activation scales): close to float32, and
+a request's output does not depend on what else is in its batch (the control: torch's quantize_dynamic, one
+activation scale per input, does leak)."""
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from service.kv.cache import new_cache
-from service.runtime.quantize import Int8Linear, quantize_linears
+from service.runtime.quantize import KINDS, quantize_linears
 from service.runtime.serving.runner import DecodeBatch
 from tiny import random_ids, tiny_runtime
 
 
-def test_int8_linear_is_close_to_float32():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_int8_linear_is_close_to_float32(kind):
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
-        want, got = lin(x), Int8Linear(lin)(x)
+        want, got = lin(x), KINDS[kind](lin)(x)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert float((got - want).abs().max()) <= 0.03 * float(want.abs().max())
 
@@ -43,12 +46,24 @@ def _rows_alone_and_batched(rt, prompts, tokens):
     return alone, batch.step(tokens)
 
 
-def test_int8_rows_are_independent_of_their_batch():
-    rt = tiny_runtime("llama", quantization="int8")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_int8_rows_are_independent_of_their_batch(kind):
+    rt = tiny_runtime("llama", quantization=kind)
     prompts = [random_ids(n, seed=n) for n in (6, 31, 17)]
     alone, batched = _rows_alone_and_batched(rt, prompts, [5, 77, 301])
     for i, a in enumerate(alone):
         torch.testing.assert_close(batched[i], a, atol=1e-5, rtol=0)
+
+
+def test_weight_only_rows_do_not_depend_on_the_row_count():
+    """A prompt cut into other pieces (a composition's tail, prefill chunks) gets the same numbers: bitwise."""
+    torch.manual_seed(0)
+    lin = KINDS["int8"](nn.Linear(96, 80))
+    x = torch.randn(70, 96)
+    with torch.no_grad():
+        whole = lin(x)
+        for lo, hi in [(0, 1), (3, 11), (11, 70)]:
+            assert torch.equal(lin(x[lo:hi]), whole[lo:hi])
 
 
 def test_control_per_tensor_dynamic_quantization_leaks_between_rows():
@@ -64,4 +79,4 @@ def test_control_per_tensor_dynamic_quantization_leaks_between_rows():
 def test_quantize_linears_replaces_every_linear():
     model = copy.deepcopy(tiny_runtime("llama").model)
     n = sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert quantize_linears(model) == n and not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize_linears(model, "w8a8") == n and not any(isinstance(m, nn.Linear) for m in model.modules())

@@ -150,7 +150,7 @@ class ServingEngine:
         for w in self.sched.reap():
             self._drop(w)
         self.sched.admit(self._fits)
-        live_pending = bool(self.sched.active or self.sched.running)
+        live_pending = bool(self.sched.waiting or self.sched.active or self.sched.running)  # waiting: not yet fit
         if self.sched.running:
             self._decode()
         self._prefill(self.sched.prefill_budget())
