@@ -2,9 +2,9 @@
 
 Request threads submit work and get a Job (work.py); everything that touches the model, the decode batch or a
 request's cache runs here, on one thread (torch is imported here only once a model is bound, so the API can import
-this module without it). A step: free the rows of requests that hung up, admit queued work,
-one batched decode forward over the running sequences (runner.py), live prefill steps within the token budget,
-then a background step when its share is due.
+this module without it). A step: free the rows of requests that hung up, admit queued work, live prefill steps
+within the token budget, one batched decode forward over the running sequences (runner.py), then a background step
+when its share is due.
 """
 
 from __future__ import annotations
@@ -151,9 +151,11 @@ class ServingEngine:
             self._drop(w)
         self.sched.admit(self._fits)
         live_pending = bool(self.sched.waiting or self.sched.active or self.sched.running)  # waiting: not yet fit
+        # prefill before decode: a new request's first token (sampled when its prefill ends) does not wait for the
+        # running rows' forward, and a sequence that joins decodes its second token in this same step
+        self._prefill(self.sched.prefill_budget())
         if self.sched.running:
             self._decode()
-        self._prefill(self.sched.prefill_budget())
         t_live = time.perf_counter() - t0
         bg_s = 0.0
         work = self.sched.next_background(live_pending)
