@@ -5,39 +5,54 @@ timings, token counts and erratum line), and the typed error for a skill that is
     SKILLCACHE_SCREENSHOT=docs/img/playground.png .venv/bin/python -m pytest tests/ui -k browser   # make screenshot
 
 also writes the README's screenshot of the page (taken after both runs). For that picture the test first waits
-(up to 10 minutes) for the background seam calibration of the shipped skills, so the registry shows their seams."""
+(up to 10 minutes) for the background seam calibration of the two compiled skills, so the registry shows their seams."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from skillcache_client.skillfile import iter_skill_files, parse_skill_file
 from ui_browser import chromium, require_browser
 from service.devserver import ROOT, ServiceNotReady, ServiceProcess
 
 pytestmark = pytest.mark.slow
 KEY = "playground-browser-admin-key-0123456789"
 RUN_TIMEOUT_S = 300  # both runs on a busy 2-core CI machine
+COMPOSED = ("refund-policy", "style-guide")  # the shipped skills the test composes
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The service with every shipped skill registered, but only the two the test composes preloaded (compiled at
+    start-up, the slow part of a start): the others are registered with ?compile=false, so the registry holds
+    compiled and uncompiled skills and the page must tell them apart."""
     require_browser()
     home = tmp_path_factory.mktemp("home")
     keys = home / "keys.json"
     keys.write_text(json.dumps([{"key": KEY, "namespace": "default", "role": "admin"}]))
-    svc = ServiceProcess(home, {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), "SKILLCACHE_API_KEYS_FILE": str(keys)})
+    preload = home / "skills"
+    preload.mkdir()
+    for name in COMPOSED:
+        shutil.copy(ROOT / "skills" / f"{name}.md", preload)
+    svc = ServiceProcess(home, {"SKILLCACHE_SKILLS_DIR": str(preload), "SKILLCACHE_API_KEYS_FILE": str(keys)})
     with svc:
         try:
             svc.wait_ready(600)
         except ServiceNotReady as e:
             pytest.fail(str(e))
+        for path in iter_skill_files(ROOT / "skills"):
+            if path.stem not in COMPOSED:
+                r = httpx.post(f"{svc.url}/v1/skills?compile=false", json=parse_skill_file(path),
+                               headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+                assert r.status_code == 201 and not r.json()["compiled"], r.text
         yield svc
 
 
@@ -90,16 +105,23 @@ def _wait_calibrated(server, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         listing = httpx.get(f"{server.url}/v1/skills", headers={"Authorization": f"Bearer {KEY}"}).json()["skills"]
-        if all(s["calibration"] for s in listing):
+        if all(s["calibration"] for s in listing if s["compiled"]):
             return
         time.sleep(5)
 
 
 def _screenshot(driver, path: Path) -> None:
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1360, height + 20)
+    """The whole page (the window fitted to its content), as a 256-colour PNG to keep the committed file small."""
+    from PIL import Image
+
+    height = driver.execute_script("return Math.ceil(document.body.getBoundingClientRect().height)")
+    driver.set_window_size(1360, height)
+    frame = height - driver.execute_script("return window.innerHeight")  # the window's own bars, if any
+    driver.set_window_size(1360, height + frame)
     path.parent.mkdir(parents=True, exist_ok=True)
     assert driver.save_screenshot(str(path)), path
+    with Image.open(path) as shot:
+        shot.convert("RGB").quantize(256).save(path, optimize=True)
     assert path.stat().st_size > 10_000
 
 
@@ -116,6 +138,7 @@ def test_compose_two_shipped_skills_in_both_modes_then_an_unknown_skill(server, 
     _css(d, "#save-key").click()
     listing = httpx.get(f"{server.url}/v1/skills", headers={"Authorization": f"Bearer {KEY}"}).json()["skills"]
     assert len(listing) >= 6
+    assert {s["name"] for s in listing if s["compiled"]} == set(COMPOSED), listing
     _wait(d, lambda d: len(d.find_elements("css selector", "#registry tbody tr[data-skill]")) == len(listing))
     assert _css(d, "#registry-error").get_attribute("hidden") is not None
     for skill in listing:  # the table shows what the API lists
