@@ -4,7 +4,7 @@ PORT ?= 8000
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast screenshot bench clean
 
 install:
 	@scripts/install.sh $(VENV)
@@ -14,10 +14,16 @@ run: install
 
 test: install
 	@scripts/ensure-redis.sh || echo "note: redis-server unavailable; Redis tests will be skipped"
+	@scripts/ensure-chromium.sh || echo "note: chromium unavailable; the playground's browser test will be skipped"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The README's picture of the playground, taken by its browser test (tests/ui) against the embedded model.
+screenshot: install
+	@scripts/ensure-chromium.sh
+	SKILLCACHE_SCREENSHOT=docs/img/playground.png SKILLCACHE_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/ui -k browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache

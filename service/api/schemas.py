@@ -53,6 +53,8 @@ class SkillOut(BaseModel):
     calibration: dict[str, Any] | None = Field(None, description="the seam chosen for this skill and its fidelity")
     shadow: dict[str, Any] | None = Field(None, description="live shadow checks against full recompute")
     degraded: bool = Field(False, description="a shadow check failed: served by full prefill until recalibrated")
+    hits: dict[str, int] = Field({}, description="this version's block served by this process since it started, "
+                                 "by where it came from (memory, disk, redis, compiled)")
 
 
 class SkillList(BaseModel):

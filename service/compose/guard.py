@@ -139,13 +139,14 @@ class FidelityGuard:
                             fid["cosine"])
         metrics.DEGRADED_SKILLS.set(len(self.degraded))
 
-    def report(self, key: str, block) -> dict:
+    def report(self, key: str, meta: dict[str, str] | None) -> dict:
+        """What the API shows for a block: its calibration (from the stored block's `meta`, None when there is no
+        block) and this process's shadow checks and degraded flag."""
         st = self.shadow.get(key)
         shadow = None if st is None else {
             "checks": st["checks"], "passed": st["passed"], "cosine_min": st["cosine_min"],
             "cosine_mean": st["cosine_sum"] / st["checks"]}
-        return {"calibration": calibration_of(block) if block is not None else None, "shadow": shadow,
-                "degraded": key in self.degraded}
+        return {"calibration": calibration_in(meta), "shadow": shadow, "degraded": key in self.degraded}
 
     # ---- background plumbing -----------------------------------------------------------------
     def spawn(self, coro) -> bool:
@@ -175,5 +176,9 @@ class FidelityGuard:
 
 
 def calibration_of(block) -> dict | None:
-    raw = block.meta.get("calibration") if block is not None else None
+    return calibration_in(block.meta if block is not None else None)
+
+
+def calibration_in(meta: dict[str, str] | None) -> dict | None:
+    raw = (meta or {}).get("calibration")
     return json.loads(raw) if raw else None

@@ -42,6 +42,12 @@ class BlockStore(abc.ABC):
     async def delete_namespace_hash(self, namespace: str, content_hash: str) -> int:
         """Delete the blocks of this content in this namespace for every model fingerprint and layout."""
 
+    async def read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        """The stored block's `meta` (its calibration, ...) or None when absent. Tiers that can, read only the
+        payload's header (not verified); this default reads the whole block."""
+        block = await self.get(key)
+        return None if block is None else dict(block.meta)
+
     async def get_many(self, keys: Sequence[BlockKey]) -> list[KVBlock | None]:
         """get() for each key, in order."""
         return [await self.get(k) for k in keys]

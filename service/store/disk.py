@@ -16,7 +16,7 @@ from service.store.base import BlockStore
 from service.store.errors import CorruptBlock, StoreUnavailable
 from service.store.fsutil import TEMP_SUFFIX, atomic_write, sweep_temp, write_error
 from service.store.key import BlockKey, check_name
-from service.store.serde import decode_block, encode_block
+from service.store.serde import decode_block, encode_block, header_length, stored_meta
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,21 @@ class DiskBlockStore(BlockStore):
             except OSError:
                 pass  # a read-only volume or a concurrent delete: the read still stands
         return block
+
+    def _read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        """The block's meta from its file's header alone; None when there is no file or its header is damaged
+        (a read of the block drops such a file)."""
+        try:
+            with open(self.path_for(key), "rb") as f:
+                head = f.read(8)
+                try:
+                    return stored_meta(head + f.read(header_length(head) - 8))
+                except CorruptBlock:
+                    return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreUnavailable(f"disk store at {self.root}: cannot read {key.to_str()}: {e}") from e
 
     def _unlink_if_same(self, path: Path, inode: int) -> None:
         """Delete `path` unless a concurrent put already replaced it with a new file."""
@@ -225,6 +240,9 @@ class DiskBlockStore(BlockStore):
 
     async def contains(self, key: BlockKey) -> bool:
         return await asyncio.to_thread(self.path_for(key).is_file)
+
+    async def read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        return await asyncio.to_thread(self._read_meta, key)
 
     async def delete_namespace_hash(self, namespace: str, content_hash: str) -> int:
         check_name(namespace, "namespace")

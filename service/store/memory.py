@@ -69,6 +69,11 @@ class MemoryBlockStore(BlockStore):
             self._bytes += size
             MEMORY_BYTES.inc(size)
 
+    async def read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        with self._lock:
+            block = self._items.get(key)  # a peek: the LRU order stays as it is
+        return None if block is None else dict(block.meta)
+
     async def delete(self, key: BlockKey) -> bool:
         with self._lock:
             return self._remove(key)

@@ -15,7 +15,7 @@ from service.store.base import BlockStore
 from service.store.errors import REASON_CHUNKS, REASON_FORMAT, CorruptBlock, StoreUnavailable
 from service.store.key import BlockKey, check_name
 from service.store.redisconn import guard, make_client, redacted
-from service.store.serde import decode_block, encode_block
+from service.store.serde import decode_block, encode_block, header_length, stored_meta
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,30 @@ class RedisBlockStore(BlockStore):
     async def contains(self, key: BlockKey) -> bool:
         async with self._guard():
             return bool(await self._r.exists(self.manifest_key(key)))
+
+    async def read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        """The meta from the payload's head (GETRANGE), no tensors; None if absent or its manifest/header is damaged."""
+        async with self._guard():
+            raw = await self._r.get(self.manifest_key(key))
+            if raw is None:
+                return None
+            try:
+                ckeys = self.chunk_keys(key, Manifest.from_json(raw))
+                return stored_meta(await self._head(ckeys, header_length(await self._head(ckeys, 8))))
+            except CorruptBlock:
+                return None
+
+    async def _head(self, ckeys: list[str], n: int) -> bytes:
+        """The payload's first `n` bytes, read across chunks (a missing chunk: CorruptBlock)."""
+        out = b""
+        for ck in ckeys:
+            if len(out) >= n:
+                break
+            part = await self._r.getrange(ck, 0, n - len(out) - 1)
+            if not part:
+                raise CorruptBlock(REASON_CHUNKS, "a chunk is missing")
+            out += part
+        return out
 
     async def delete_namespace_hash(self, namespace: str, content_hash: str) -> int:
         check_name(namespace, "namespace")

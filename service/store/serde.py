@@ -146,6 +146,22 @@ def read_metadata(data: bytes) -> dict[str, str]:
     return meta
 
 
+def header_length(prefix: bytes) -> int:
+    """Bytes of a payload's safetensors header (the 8-byte length and the JSON), from its first 8 bytes."""
+    if len(prefix) < 8:
+        raise CorruptBlock(REASON_FORMAT, "payload shorter than the header length")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > _HEADER_LIMIT:
+        raise CorruptBlock(REASON_FORMAT, "bad header length")
+    return 8 + n
+
+
+def stored_meta(header: bytes) -> dict[str, str]:
+    """The block's own `meta` (calibration, ...) from a payload's header alone: no tensors read, nothing verified
+    (the checksum covers the tensors too; a read of the whole block checks it)."""
+    return {name[5:]: val for name, val in read_metadata(header).items() if name.startswith("meta.")}
+
+
 def decode_block(data: bytes, expected_key: BlockKey) -> KVBlock:
     """Parse and verify a payload written by encode_block for `expected_key`. Raises CorruptBlock."""
     meta = read_metadata(data)

@@ -15,6 +15,7 @@ from service.metrics import COMPILES, STORE_ERRORS, STORE_OPS, STORE_UP
 from service.store.base import BlockStore
 from service.store.disk import DiskBlockStore
 from service.store.errors import StoreError, StoreUnavailable, StoreWriteError
+from service.store.hits import HitCounts
 from service.store.key import BlockKey
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class TieredStore:
         self._inflight: dict[BlockKey, asyncio.Task[tuple[KVBlock, str]]] = {}
         self._fills: set[asyncio.Task[None]] = set()
         self._lock_tier = next((t for t in tiers if hasattr(t, "try_lock")), None)  # the Redis tier
+        self.hits = HitCounts()  # blocks get_or_compile served, per key and tier (ephemeral ones not counted)
 
     # -- tier bookkeeping --
 
@@ -166,6 +168,19 @@ class TieredStore:
                     pass
         return False
 
+    async def read_meta(self, key: BlockKey) -> dict[str, str] | None:
+        """The block's meta (its calibration, ...) from the first tier holding it, without loading its tensors,
+        filling other tiers or touching the memory tier's LRU order; None when no reachable tier holds it."""
+        for tier in self.tiers:
+            if self._available(tier):
+                try:
+                    meta = await self._run(tier, "meta", tier.read_meta, key)
+                except StoreError:
+                    continue
+                if meta is not None:
+                    return meta
+        return None
+
     async def delete(self, key: BlockKey) -> bool:
         """Delete from every reachable tier; True if any tier held it."""
         found = False
@@ -178,6 +193,7 @@ class TieredStore:
 
     async def delete_namespace_hash(self, namespace: str, content_hash: str) -> int:
         """Delete that content's blocks (any model) everywhere; returns entries removed, summed over tiers."""
+        self.hits.forget(namespace, content_hash)
         total = 0
         for tier in self.tiers:
             try:
@@ -209,14 +225,16 @@ class TieredStore:
         never written to disk or Redis, which nothing would ever clean up.
         """
         block, source = await self.get(key, ephemeral)
-        if block is not None:
-            return block, source  # type: ignore[return-value]
-        task = self._inflight.get(key)
-        if task is None:
-            task = asyncio.create_task(self._produce(key, compile_fn, ephemeral))
-            self._inflight[key] = task
-            task.add_done_callback(lambda t: self._task_done(key, t))
-        return await asyncio.shield(task)
+        if block is None:
+            task = self._inflight.get(key)
+            if task is None:
+                task = asyncio.create_task(self._produce(key, compile_fn, ephemeral))
+                self._inflight[key] = task
+                task.add_done_callback(lambda t: self._task_done(key, t))
+            block, source = await asyncio.shield(task)
+        if not ephemeral:
+            self.hits.add(key, source)
+        return block, source  # type: ignore[return-value]
 
     def _task_done(self, key: BlockKey, task: asyncio.Task[Any]) -> None:
         if self._inflight.get(key) is task:

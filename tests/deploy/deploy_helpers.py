@@ -72,7 +72,9 @@ class Rendered:
         return self.deployment()["spec"]["template"]["spec"]["containers"][0]
 
     def config(self) -> dict:
-        return self.one("ConfigMap")["data"]
+        """The service's settings: the ConfigMap the container loads with envFrom."""
+        name = self.container()["envFrom"][0]["configMapRef"]["name"]
+        return self.one("ConfigMap", name)["data"]
 
 
 def _parse(texts: dict[str, str]) -> Rendered:

@@ -3,51 +3,17 @@ service/metrics.py defines (read with ast, so a renamed metric breaks this test,
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 
 import pytest
 
 from deploy_helpers import REPO, load_yaml, tool
+from metric_names import METRICS, expr_problems
 
 ALERTS_FILE = REPO / "deploy" / "prometheus" / "alerts.yml"
 RULES = [r for g in load_yaml(ALERTS_FILE)["groups"] for r in g["rules"]]
 BY_NAME = {r["alert"]: r for r in RULES}
-
-
-def defined_metrics() -> dict[str, tuple[str, set[str]]]:
-    """{series name: (type, labels)} from service/metrics.py, histogram and counter suffixes included."""
-    tree = ast.parse((REPO / "service" / "metrics.py").read_text())
-    out = {}
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-            continue
-        kind = node.func.id
-        if kind not in ("Counter", "Gauge", "Histogram", "Summary") or not node.args:
-            continue
-        name = ast.literal_eval(node.args[0])
-        labels = set()
-        if len(node.args) >= 3:
-            labels = set(ast.literal_eval(node.args[2]))
-        for kw in node.keywords:
-            if kw.arg == "labelnames":
-                labels = set(ast.literal_eval(kw.value))
-        if kind == "Counter":
-            base = name.removesuffix("_total")
-            series = [base + "_total", base + "_created"]
-        elif kind in ("Histogram", "Summary"):
-            series = [name + s for s in ("_bucket", "_count", "_sum", "_created")]
-            labels = labels | ({"le"} if kind == "Histogram" else {"quantile"})
-        else:
-            series = [name]
-        for s in series:
-            out[s] = (kind, labels)
-    return out
-
-
-METRICS = defined_metrics()
-TARGET_LABELS = {"job", "instance", "namespace", "pod"}  # added by the scrape, not by the service
 
 
 def test_metrics_module_was_read():
@@ -67,19 +33,7 @@ def test_rule_shape(rule):
 
 @pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
 def test_rule_uses_defined_series_and_labels(rule):
-    expr = rule["expr"]
-    names = set(re.findall(r"\bskillcache_[a-z_]+\b", expr))
-    assert names, "every rule is about skillcache series"
-    allowed_labels = set(TARGET_LABELS)
-    for name in names:
-        assert name in METRICS, f"{name} is not defined in service/metrics.py"
-        allowed_labels |= METRICS[name][1]
-    used = set()
-    for selector in re.findall(r"\{([^}]*)\}", expr):
-        used |= set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)", selector))
-    for group in re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr):
-        used |= {label.strip() for label in group.split(",") if label.strip()}
-    assert used <= allowed_labels, f"labels {used - allowed_labels} are not on {names}"
+    assert expr_problems(rule["expr"]) == []
 
 
 def test_required_alerts():

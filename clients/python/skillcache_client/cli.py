@@ -153,16 +153,24 @@ def cmd_skills_list(client: SkillcacheClient, args: argparse.Namespace) -> int:
     elif not skills:
         print("no skills", file=sys.stderr)
     else:
-        rows = [["NAME", "VERSION", "TOKENS", "COMPILED", "DESCRIPTION"]]
+        rows = [["NAME", "VERSION", "TOKENS", "COMPILED", "SEAM", "DEGRADED", "HITS", "DESCRIPTION"]]
         for s in skills:
-            compiled = s.get("compiled")
+            cal, hits = s.get("calibration"), s.get("hits")
             rows.append([
                 str(s.get("name", "")), str(s.get("version", "")), str(s.get("n_tokens", "")),
-                "" if compiled is None else "yes" if compiled is True else "no" if compiled is False else str(compiled),
+                _yes_no(s.get("compiled")),
+                str(cal.get("seam", "?")) if isinstance(cal, dict) else "-" if "calibration" in s else "",
+                _yes_no(s.get("degraded")),
+                str(sum(hits.values())) if isinstance(hits, dict) else "",
                 _clip(str(s.get("description") or ""), 60),
             ])
         _table(rows, sys.stdout)
     return 0
+
+
+def _yes_no(value: object) -> str:
+    """A boolean column: yes / no, blank when the server did not send it (an older server)."""
+    return "" if value is None else "yes" if value is True else "no" if value is False else str(value)
 
 
 def _clip(text: str, n: int) -> str:

@@ -104,15 +104,19 @@ def test_skills_add_server_error_continues(server: FakeServer, skills_dir: Path,
 
 
 def test_skills_list_rm_show(server: FakeServer, capsys: pytest.CaptureFixture) -> None:
+    calibrated = {"calibration": {"seam": 0, "passed": True}, "degraded": False, "hits": {"memory": 5, "compiled": 1}}
     server.on("GET", "/v1/skills", {"skills": [
-        skill_record("refund-policy", 3, description="Retail refund rules"), skill_record("x", compiled=False)]})
+        skill_record("refund-policy", 3, description="Retail refund rules", **calibrated),
+        skill_record("x", compiled=False, calibration=None, degraded=True, hits={}),
+        skill_record("old-server")]})
     server.on("DELETE", "/v1/skills/x", {"deleted": "x", "versions": [1, 2]})
     server.on("GET", "/v1/skills/x", skill_record("x"))
     assert run(server, "skills", "list") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "VERSION", "TOKENS", "COMPILED", "DESCRIPTION"]
-    assert out[1].split() == ["refund-policy", "3", "812", "yes", "Retail", "refund", "rules"]
-    assert out[2].split() == ["x", "1", "812", "no"]
+    assert out[0].split() == ["NAME", "VERSION", "TOKENS", "COMPILED", "SEAM", "DEGRADED", "HITS", "DESCRIPTION"]
+    assert out[1].split() == ["refund-policy", "3", "812", "yes", "0", "no", "6", "Retail", "refund", "rules"]
+    assert out[2].split() == ["x", "1", "812", "no", "-", "yes", "0"]
+    assert out[3].split() == ["old-server", "1", "812", "yes"]  # fields an older server does not send: blank
     assert run(server, "skills", "list", "--json") == 0
     assert json.loads(capsys.readouterr().out)[0]["name"] == "refund-policy"
     assert run(server, "skills", "rm", "x") == 0

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Query, Response
 
 from service.api.auth import RequireAdmin
 from service.api.deps import Namespace, Pipeline, State
 from service.api.schemas import MAX_VERSION, ErrorResponse, SkillCreate, SkillDeleted, SkillList, SkillOut
+from service.compose.pipeline import ComposePipeline
 from service.registry.skill import SkillRecord
 
 router = APIRouter(prefix="/v1/skills", tags=["skills"])
 _ERRORS = {404: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
+_LIST_CONCURRENCY = 16  # skills described at once by a listing (each: a versions read and a block-header read)
 
 
-def _out(rec: SkillRecord, compiled: bool = False, versions: list[int] | None = None) -> SkillOut:
-    return SkillOut(**rec.public(), compiled=compiled, versions=versions or [rec.version])
+async def _out(pipeline: ComposePipeline, ns: str, rec: SkillRecord) -> SkillOut:
+    """The record with what the service knows of its block, the same in the listing and for one skill: `compiled`
+    and `calibration` from the stored block's header (no tensors loaded), this process's shadow checks, degraded
+    flag and hits."""
+    key = pipeline.registry.block_key(ns, rec.default_text)
+    meta = await pipeline.store.read_meta(key)
+    return SkillOut(**rec.public(), compiled=meta is not None, versions=await pipeline.registry.versions(ns, rec.name),
+                    hits=pipeline.store.hits.of(key), **pipeline.guard.report(str(key), meta))
 
 
 @router.post("", response_model=SkillOut, status_code=201, dependencies=[RequireAdmin],
@@ -27,24 +37,26 @@ async def register_skill(
     rec, created = await pipeline.registry.register(ns, body.name, body.text, body.description, body.fields)
     if compile:
         await pipeline.block_for(ns, rec.default_text)
-    compiled = compile or await pipeline.store.contains(pipeline.registry.block_key(ns, rec.default_text))
     response.status_code = 201 if created else 200
-    return _out(rec, compiled=compiled, versions=await pipeline.registry.versions(ns, rec.name))
+    return await _out(pipeline, ns, rec)
 
 
 @router.get("", response_model=SkillList)
 async def list_skills(pipeline: Pipeline, ns: Namespace) -> SkillList:
-    return SkillList(skills=[_out(r) for r in await pipeline.registry.list(ns)])
+    """The latest version of every skill, with the same block state as GET /v1/skills/{name}."""
+    gate = asyncio.Semaphore(_LIST_CONCURRENCY)
+
+    async def one(rec: SkillRecord) -> SkillOut:
+        async with gate:
+            return await _out(pipeline, ns, rec)
+
+    return SkillList(skills=await asyncio.gather(*(one(r) for r in await pipeline.registry.list(ns))))
 
 
 @router.get("/{name}", response_model=SkillOut, responses=_ERRORS)
 async def get_skill(name: str, pipeline: Pipeline, ns: Namespace,
                     version: int | None = Query(None, ge=1, le=MAX_VERSION)) -> SkillOut:
-    rec = await pipeline.registry.get(ns, name, version)
-    key = pipeline.registry.block_key(ns, rec.default_text)
-    block, _ = await pipeline.store.get(key)
-    out = _out(rec, compiled=block is not None, versions=await pipeline.registry.versions(ns, name))
-    return out.model_copy(update=pipeline.guard.report(str(key), block))
+    return await _out(pipeline, ns, await pipeline.registry.get(ns, name, version))
 
 
 @router.delete("/{name}", response_model=SkillDeleted, responses=_ERRORS, dependencies=[RequireAdmin])
