@@ -63,6 +63,23 @@ def test_the_cache_holds_what_the_transcript_renders_to(app):
     assert plan.ids[: len(s.ids) - 1] == s.ids[:-1]
 
 
+def test_required_chooses_an_offered_tool_and_the_session_keeps_its_tokens(app):
+    time = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    mgr = app.app.state.skillcache.sessions
+    sid = _session(app, tools=[WEATHER, time])["id"]
+    n_before = mgr.live[sid].cache.get_seq_length()
+    r = app.post(f"/v1/sessions/{sid}/turns", json={"user": "Oslo?", "tool_choice": "required", "max_tokens": 8})
+    [call] = r.json()["tool_calls"]
+    assert call["function"]["name"] in {"get_weather", "get_time"}
+    s = mgr.live[sid]
+    assert len(s.ids) == s.cache.get_seq_length() > n_before
+    opening = mgr.p.tool_prompt.encode_template(call["function"]["name"] + '"')
+    assert any(s.ids[i:i + len(opening)] == opening for i in range(n_before, len(s.ids)))  # the chosen name is held
+    nxt = app.post(f"/v1/sessions/{sid}/turns", json={
+        "tool_results": [{"tool_call_id": call["id"], "content": "ok"}], "max_tokens": 2, "tool_choice": "none"})
+    assert nxt.status_code == 200 and nxt.json()["usage"]["reused_tokens"] > n_before
+
+
 @pytest.mark.parametrize("body,where", [
     ({"max_tokens": 2}, "user: required"),
     ({"tool_results": [{"tool_call_id": "nope", "content": "x"}], "max_tokens": 2}, "tool_results.0.tool_call_id"),

@@ -173,7 +173,7 @@ class ComposePipeline:
         store_ms = store_s * 1e3
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
         mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
-        self.rt.check_length(plan.n_tokens, p.gen.max_tokens, mode)
+        self.rt.check_length(plan.n_tokens + (tools.extra_tokens() if tools else 0), p.gen.max_tokens, mode)
         prefix = await self.refiner.lookup(p.namespace, plan) if mode == "compose" else None
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
         return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
@@ -184,7 +184,7 @@ class ComposePipeline:
                          seams: list) -> ToolsPrep:
         """The forced opening and stop strings of the tool choice; the tools block (fetched, or compiled once) as one
         more block after the skills' (blocks, keys, seams grow by one)."""
-        tools = ToolsPrep(p.tools, tb, t_index, tb.fmt.forced_opening(p.tools))
+        tools = ToolsPrep.make(p.tools, tb, t_index, self.tool_prompt.encode_template)
         self.tool_prompt.force(plan, tools.opening)
         p.gen = tools.gen(p.gen)
         if t_index is not None:
@@ -205,11 +205,14 @@ class ComposePipeline:
 
         steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
                                       prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens)
-        job = self.engine.submit_sequence(steps, prep.params.gen, prep.plan.n_tokens, on_prefilled=on_prefilled)
+        n_prompt = prep.plan.n_tokens
+        if prep.tools is not None:
+            steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()
+        job = self.engine.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)  # prefill errors surface here, before any byte is sent
         events = self._events(prep, first, stream, box, prep.mode)
-        parser = prep.tools.parser() if prep.tools is not None else None
+        parser = prep.tools.parser() if prep.tools is not None else None  # after the prefill: its choice made
         return parsed(events, parser) if parser is not None else events
 
     async def _events(self, prep: Prepared, first, stream, box, mode) -> AsyncIterator[Delta | Final]:

@@ -3,11 +3,12 @@ forced opening, the parser for the reply, and what the response says about the b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from service.errors import LimitExceeded
 from service.runtime.params import GenParams
+from service.tools.choose import Candidate, candidates, choose_steps, max_tail
 from service.tools.parser import ToolCallParser
 from service.tools.render import ToolsBlock
 from service.tools.spec import ToolsParams
@@ -25,6 +26,27 @@ class ToolsPrep:
     kv: object = None  # KVBlock, when index is not None
     source: str | None = None  # memory, disk, redis or compiled
     key: str | None = None
+    options: list[Candidate] = field(default_factory=list)  # tool_choice required among several: scored names
+    tail_ids: list[int] = field(default_factory=list)  # the chosen name's ids, appended after the prompt
+
+    @classmethod
+    def make(cls, params: ToolsParams, block: ToolsBlock, index: int | None, encode) -> "ToolsPrep":
+        prep = cls(params, block, index, block.fmt.forced_opening(params))
+        if params.choice.mode == "required" and len(params.tools) > 1:
+            prep.options = candidates(block.fmt, params, encode)
+        return prep
+
+    def steps(self, rt, steps):
+        """The request's prefill steps, followed by the choice of the tool when `required` leaves it open."""
+        return choose_steps(rt, steps, self.options, self._chosen) if self.options else steps
+
+    def extra_tokens(self) -> int:
+        """Prompt tokens the choice may append after the prompt."""
+        return max_tail(self.options) if self.options else 0
+
+    def _chosen(self, c: Candidate) -> None:  # on the engine, before the first token
+        self.opening += c.text
+        self.tail_ids = c.name_ids + c.rest_ids
 
     def parser(self) -> ToolCallParser | None:
         if self.params.choice.mode == "none":

@@ -134,12 +134,12 @@ class SessionManager:
                 messages.append({"role": "user", "content": content})
             tb = self.p.tool_prompt.block(params) if params is not None else None
             plan, t_index = self.p.tool_prompt.build(self._head(s) + messages, s.skill_ids, s.base_errata, tb)
-            tools = ToolsPrep(params, tb, t_index, tb.fmt.forced_opening(params)) if tb is not None else None
+            tools = ToolsPrep.make(params, tb, t_index, self.p.tool_prompt.encode_template) if tb else None
             if tools is not None:
                 self.p.tool_prompt.force(plan, tools.opening)
                 gen = tools.gen(gen)
             ids = plan.ids
-            self.rt.check_length(len(ids), gen.max_tokens, "full")
+            self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens, "full")
             events = await self._run_turn(s, ids, gen, tools)
             out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
@@ -157,7 +157,10 @@ class SessionManager:
             box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused, recomputed=pre.n_recomputed)
 
         steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=self.p.settings.prefill_chunk_tokens)
-        job = self.p.engine.submit_sequence(steps, gen, len(ids), keep_cache=True, on_prefilled=on_prefilled)
+        n_prompt = len(ids)
+        if tools is not None:
+            steps, n_prompt = tools.steps(self.rt, steps), n_prompt + tools.extra_tokens()
+        job = self.p.engine.submit_sequence(steps, gen, n_prompt, keep_cache=True, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)
         events = _after(first, stream)
@@ -172,7 +175,8 @@ class SessionManager:
                 if isinstance(item, Done):
                     # the cache holds every forwarded token: the last sampled one may not be
                     s.cache = job.cache
-                    s.ids = (box["ids"] + item.token_ids)[: s.cache.get_seq_length()]
+                    tail = tools.tail_ids if tools is not None else []  # a tool chosen for `required`
+                    s.ids = (box["ids"] + tail + item.token_ids)[: s.cache.get_seq_length()]
                     s.messages = messages + [self._reply(item)]
                     s.fields.update(fields)
                     s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}

@@ -55,7 +55,7 @@ class ToolPrompt:
         text = self._native_text(specs, params) if self.native_fmt is not None else None
         if text is not None:
             self.check_plain(json.dumps(specs, ensure_ascii=False), "tools")
-            block = ToolsBlock(self.native_fmt, True, text, tuple(self._template_ids(text)), tuple(specs))
+            block = ToolsBlock(self.native_fmt, True, text, tuple(self.encode_template(text)), tuple(specs))
         else:
             text = fallback_text(params.tools)
             block = ToolsBlock(FALLBACK, False, text, tuple(self.prompts.encode_content(text)), tuple(specs))
@@ -81,7 +81,8 @@ class ToolPrompt:
             return None
         return text
 
-    def _template_ids(self, text: str) -> list[int]:
+    def encode_template(self, text: str) -> list[int]:
+        """Text the service writes into the prompt (a block of the template's, a forced opening), specials as such."""
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def check_plain(self, text: str, where: str) -> None:
@@ -139,4 +140,4 @@ class ToolPrompt:
     def force(self, plan: PromptPlan, opening: str) -> None:
         """Append a forced call opening to the prompt: it is the start of the assistant's reply."""
         if opening:
-            plan.segments[-1].ids.extend(self._template_ids(opening))
+            plan.segments[-1].ids.extend(self.encode_template(opening))

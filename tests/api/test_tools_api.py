@@ -162,3 +162,15 @@ def test_compose_with_tools_returns_calls_and_streams_tool_call_events(client):
     assert events[-1]["tools"]["source"] == "memory"
     plain = client.post("/v1/compose", json={"user": "hi", "max_tokens": 2}).json()
     assert plain["tool_calls"] is None and plain["tools"] is None
+
+
+def test_required_among_several_tools_is_always_a_call_of_an_offered_one(sdk):
+    for question in ["What is the weather in Rome?", "What time is it in Oslo?", "Tell me a joke."]:
+        r = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], tools=TOOLS,
+                                        tool_choice="required", max_tokens=16)
+        calls = r.choices[0].message.tool_calls
+        assert calls and calls[0].function.name in {"get_weather", "get_time"}, r
+        # the opening up to the arguments, the chosen name included, is prompt (the service wrote it)
+        auto = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], tools=TOOLS,
+                                           max_tokens=1)
+        assert r.usage.prompt_tokens > auto.usage.prompt_tokens + 10 and r.usage.completion_tokens <= 16
