@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from service.api.schemas import Strict
 from service.tools.spec import MAX_TOOLS, TOOL_NAME_PATTERN, Tool, ToolChoice, ToolsParams
@@ -38,12 +38,17 @@ class NamedToolChoice(Strict):
 ToolChoiceIn = Literal["auto", "none", "required"] | NamedToolChoice
 
 
-class ToolCallFunction(Strict):
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
     name: ToolName
     arguments: Annotated[str, StringConstraints(max_length=1_000_000)]
 
 
-class ToolCallIn(Strict):
+class ToolCallIn(BaseModel):
+    """A past call in an assistant message. Extra keys are ignored: clients send back what they got (the SDK's
+    accumulated stream keeps each call's `index`)."""
+
+    model_config = ConfigDict(extra="ignore")
     id: CallId
     type: Literal["function"] = "function"
     function: ToolCallFunction

@@ -174,3 +174,18 @@ def test_required_among_several_tools_is_always_a_call_of_an_offered_one(sdk):
         auto = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], tools=TOOLS,
                                            max_tokens=1)
         assert r.usage.prompt_tokens > auto.usage.prompt_tokens + 10 and r.usage.completion_tokens <= 16
+
+
+def test_a_streamed_call_accumulated_by_the_sdk_goes_back_as_it_is(sdk):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    for chunk in sdk.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=named("get_weather"),
+                                             max_tokens=12, stream=True):
+        state.handle_chunk(chunk)
+    msg = state.current_completion_snapshot.choices[0].message
+    sent = msg.model_dump(exclude_none=True)
+    assert "index" in sent["tool_calls"][0]  # the SDK keeps the stream's index: accepted and ignored
+    history = ASK + [sent, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "ok"}]
+    r = sdk.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert r.choices[0].message.content is not None
