@@ -189,3 +189,11 @@ def test_a_streamed_call_accumulated_by_the_sdk_goes_back_as_it_is(sdk):
     history = ASK + [sent, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "ok"}]
     r = sdk.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none", max_tokens=2)
     assert r.choices[0].message.content is not None
+
+
+def test_tools_longer_than_a_skill_may_be_are_refused(tmp_path):
+    with make_client(tmp_path, max_skill_tokens=64) as c:
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "limit_exceeded"
+        assert "SKILLCACHE_MAX_SKILL_TOKENS" in r.json()["error"]["message"]
