@@ -110,10 +110,11 @@ class ComposePipeline:
     async def tools_block(self, namespace: str, ids: list[int]):
         """The block of a request's tools (its ids: rendered and tokenized by ToolPrompt), its source and key. No
         record owns it, so nothing would delete it: like a recompile variant it lives in the memory tier only,
-        least recently used first out, and is not calibrated (its seam is SKILLCACHE_SEAM_TOKENS)."""
+        least recently used first out; it is calibrated like a skill's (the calibration stays in memory too)."""
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
         key = BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"tools-{digest}")
         block, source = await self._block(key, lambda: list(ids), ephemeral=True)
+        self.guard.schedule_calibration(key, block, ephemeral=True)
         return block, source, key
 
     async def _block(self, key: BlockKey, token_ids, ephemeral: bool):

@@ -197,3 +197,22 @@ def test_tools_longer_than_a_skill_may_be_are_refused(tmp_path):
         r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 2})
         assert r.status_code == 413 and r.json()["error"]["type"] == "limit_exceeded"
         assert "SKILLCACHE_MAX_SKILL_TOKENS" in r.json()["error"]["message"]
+
+
+def test_the_tools_block_is_calibrated_and_kept_in_memory_only(tmp_path):
+    from service.tools.spec import Tool, ToolsParams
+
+    with make_client(tmp_path, seam_auto=True, seam_candidates=[0, 4]) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        c.post("/v1/skills", json={"name": "a", "text": "Refunds are allowed within 30 days of delivery."})
+        body = {"messages": ASK, "tools": TOOLS, "max_tokens": 1, "skills": ["a"]}
+        first = c.post("/v1/chat/completions", json=body).json()["skillcache"]["tools"]
+        assert first["source"] == "compiled" and first["seam"] == 4  # after a skill, before calibration: the default
+        c.portal.call(state.pipeline.guard.drain)
+        again = c.post("/v1/chat/completions", json=body).json()["skillcache"]["tools"]
+        assert again["source"] == "memory"
+        block = state.pipeline.tool_prompt.block(ToolsParams([Tool.from_openai(t) for t in TOOLS]))
+        kv, source, _ = c.portal.call(state.pipeline.tools_block, "default", list(block.ids))
+        assert source == "memory" and json.loads(kv.meta["calibration"])["seam"] == again["seam"]
+        assert c.portal.call(state.store.disk_keys, "tools-") == []  # never written to disk
