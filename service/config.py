@@ -13,9 +13,15 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKILLCACHE_", env_file=".env", extra="ignore")
 
     # model
-    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct) or a HF id / local dir")
+    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct), a .gguf file (converted once "
+                       "into model_cache), a HF id or a local directory")
+    chat_template: str | None = Field(None, description="override the tokenizer's chat template: a Jinja file or "
+                                      "chatml, gemma, llama3. Unset: the tokenizer's; none there: plain text")
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "int8"] = Field("none", description="int8: the linear layers in int8 with one "
+                                                  "scale per output channel and per token (W8A8; activations, "
+                                                  "norms, attention and K/V stay in `dtype`): CPU speed")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's default (one per "
@@ -43,9 +49,9 @@ class Settings(BaseSettings):
     seam_candidates: list[int] = [0, 1, 2, 4, 8, 16, 32, 64]
     fidelity_min_cosine: float = Field(0.999, description="first-token logit cosine vs full recompute")
     fidelity_tie_margin: float = Field(0.05, description="top-1 counts only when p1 - p2 >= this")
-    refine_after: int = Field(2, ge=0, description="prefill a skill sequence (two skills or more, in order) in "
-                              "full when idle once it has been composed this many times; later requests opening "
-                              "with it copy it as an exact prefix. 0: off")
+    refine_after: int = Field(2, ge=0, description="prefill a prompt head (two skills or more, in order, and the "
+                              "system turn) in full in the background once it has been composed this many times; "
+                              "later requests opening with it copy it as an exact prefix. 0: off")
     background_chunk_tokens: int = Field(128, ge=1, description="tokens per step of a background full prefill "
                                          "(calibration, shadow checks, refinement): a live request waits behind one "
                                          "step at most")
@@ -99,6 +105,11 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_path_is_none(cls, v):
         """An empty variable means unset, not the current directory."""
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("skills_dir", mode="before")

@@ -20,6 +20,15 @@ log = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "default"
 
 
+def _template_status(rt: Any | None) -> dict | None:
+    """Which chat template prompts use; a plain-text fallback carries its warning (service/runtime/templates.py)."""
+    if rt is None:
+        return None
+    from service.runtime.templates import describe_template
+
+    return getattr(rt.loaded, "chat_template", None) or describe_template(rt.tokenizer, rt.loaded.name)
+
+
 class AppState:
     def __init__(self, settings: Settings, runtime: Any | None = None) -> None:
         self.settings = settings
@@ -115,6 +124,7 @@ class AppState:
             "model": getattr(getattr(rt, "loaded", None), "name", None),
             "model_fingerprint": getattr(rt, "fingerprint", None),
             "model_loaded": rt is not None,
+            "chat_template": _template_status(rt),
             "selfcheck": self.selfcheck,
             "store": tiers,
             "definitions": "ok" if definitions_ok else "down",

@@ -11,4 +11,4 @@ ROOT = Path(__file__).resolve().parents[1]
 def embedded_settings(**overrides) -> Settings:
     home = os.environ.get("SKILLCACHE_HOME")
     base = {"home": Path(home)} if home else {}
-    return Settings(model="embedded", **{**base, **overrides})
+    return Settings(**{"model": "embedded", **base, **overrides})

@@ -92,17 +92,19 @@ def test_service_refines_a_repeated_sequence(tmp_path):
         assert [(s["path"], s["seam"]) for s in refined["skills"]] == [("prefix", None), ("prefix", None)]
         u = refined["usage"]
         assert u["composed_tokens"] == 0 and u["prefix_tokens"] > 0
-        rt = state.runtime  # the prefix is the prompt through skill b: the anchor, a, the separator, b
-        end = rt.prompts.build(MSGS, [rt.prompts.encode_content(t) for t in SKILLS[:2]]).skill_ends()[1]
-        assert u["reused_tokens"] == u["prefix_tokens"] == end > first["usage"]["reused_tokens"]
+        rt = state.runtime  # the prefix is the system turn: the anchor, a, the separator, b, up to the user message
+        plan = rt.prompts.build([{"role": "user", "content": "Can I get a refund?"}],
+                                [rt.prompts.encode_content(t) for t in SKILLS[:2]])
+        assert plan.head_end > plan.skill_ends()[1]
+        assert u["reused_tokens"] == u["prefix_tokens"] == plan.head_end > first["usage"]["reused_tokens"]
         assert u["recomputed_tokens"] == u["prompt_tokens"] - u["prefix_tokens"]
         for got, want in zip(refined["logprobs"], full["logprobs"]):
             assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)  # exact, as the full prefill
         assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(first["logprobs"], full["logprobs"]))
 
-        longer = _compose(c, ["a", "b", "c"])  # opens with the refined sequence: composes only `c`
+        longer = _compose(c, ["a", "b", "c"])  # opens with the refined skills [a, b]: composes only `c`
         assert [s["path"] for s in longer["skills"]] == ["prefix", "prefix", "compose"]
-        assert longer["usage"]["prefix_tokens"] == u["prefix_tokens"]
+        assert longer["usage"]["prefix_tokens"] == plan.skill_ends()[1]
         swapped = _compose(c, ["b", "a"])  # another order is another sequence
         assert [s["path"] for s in swapped["skills"]] == ["compose", "compose"]
         c.portal.call(guard.drain)
@@ -167,3 +169,62 @@ def test_runtime_step_default_is_the_settings_default():
     from service.runtime.engine import BACKGROUND_CHUNK_TOKENS
 
     assert Settings().background_chunk_tokens == BACKGROUND_CHUNK_TOKENS
+
+
+def test_a_prefix_through_the_system_turn_composes_exactly():
+    """The head (skills, system text, up to the first message) ends inside a text segment: the rest of that
+    segment still runs, and the logits are the full prefill's."""
+    rt, ids, blocks, plan = _setup()
+    assert plan.skill_ends()[-1] < plan.head_end < plan.n_tokens
+    prefix = _exact_prefix(rt, plan.ids[:plan.head_end], chunk=9)
+    comp = rt.prefill(plan, blocks, mode="compose", seam_tokens=4, prefix=prefix)
+    full = rt.prefill(plan, [], mode="full")
+    torch.testing.assert_close(comp.logits, full.logits, atol=1e-4, rtol=1e-4)
+    assert (comp.n_prefix, comp.n_reused, comp.n_recomputed) == (plan.head_end, 0, plan.n_tokens - plan.head_end)
+
+
+def test_incremental_refinement_prefills_only_the_new_part(monkeypatch):
+    rt, ids, blocks, plan = _setup()
+    ends = plan.skill_ends()
+    held = _exact_prefix(rt, plan.ids[:ends[1]], chunk=16)
+    steps = rt.exact_prefix_steps(plan.ids[:plan.head_end], 16, held)
+    ran = []
+    try:
+        while True:
+            ran.append(next(steps))
+    except StopIteration as done:
+        longer = done.value
+    assert sum(ran) == plan.head_end - ends[1]  # the third skill and the system text, not the held two
+    whole = _exact_prefix(rt, plan.ids[:plan.head_end], chunk=16)
+    for a, b in zip(longer.keys + longer.values, whole.keys + whole.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_service_refines_incrementally_and_per_head(tmp_path):
+    """Requests with different system texts share their skills: the skills level is refined (and kept) though
+    no whole system turn repeats; a longer sequence is then refined from it, prefilling only its new part."""
+    with make_client(tmp_path, refine_after=2, background_chunk_tokens=16) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        for name, text in zip("abc", SKILLS):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code == 201
+        guard = state.pipeline.guard
+        for i in range(2):  # a unique system text each time
+            _compose(c, ["a", "b"], system=f"You are agent number {i}.")
+            c.portal.call(guard.drain)
+        assert _compose(c, ["a", "b"], system="Yet another agent.")["usage"]["prefix_tokens"] > 0
+        prefilled, copied = metric("skillcache_refine_tokens_total", kind="prefilled"), \
+            metric("skillcache_refine_tokens_total", kind="copied")
+        for _ in range(2):
+            _compose(c, ["a", "b", "c"], system="Yet another agent.")
+            c.portal.call(guard.drain)
+        body = _compose(c, ["a", "b", "c"], system="Yet another agent.")
+        assert [s["path"] for s in body["skills"]] == ["prefix"] * 3
+        rt = state.runtime
+        plan = rt.prompts.build([{"role": "system", "content": "Yet another agent."},
+                                 {"role": "user", "content": "Can I get a refund?"}],
+                                [rt.prompts.encode_content(t) for t in SKILLS])
+        assert body["usage"]["prefix_tokens"] == plan.head_end
+        ends = plan.skill_ends()
+        assert metric("skillcache_refine_tokens_total", kind="copied") - copied == ends[1]
+        assert metric("skillcache_refine_tokens_total", kind="prefilled") - prefilled == plan.head_end - ends[1]

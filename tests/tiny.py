@@ -114,11 +114,16 @@ def tiny_config(family: str, **overrides):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_runtime(family: str, dtype: torch.dtype = torch.float32) -> ModelRuntime:
+def tiny_runtime(family: str, dtype: torch.dtype = torch.float32, quantization: str = "none") -> ModelRuntime:
+    """`quantization="int8"`: the linear layers as service.runtime.quantize.Int8Linear (a CPU weight format)."""
     cfg = tiny_config(family)
     cfg._attn_implementation = "eager" if family in EAGER else "sdpa"
     loaded = build_random_model(cfg, tiny_tokenizer(), seed=0, dtype=dtype)
-    fp = model_fingerprint(loaded.model, loaded.tokenizer, [], dtype)
+    if quantization == "int8":
+        from service.runtime.quantize import quantize_linears
+
+        quantize_linears(loaded.model)
+    fp = model_fingerprint(loaded.model, loaded.tokenizer, [], dtype, quantization=quantization)
     return ModelRuntime(loaded, fp)
 
 

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_BACKLOG = 32
+# background order (lowest first): calibrations (every request of a new skill uses the seam), then refinements
+# (by expected benefit, negative: service/compose/refine.py), then the sampled shadow checks
+CALIBRATION_PRIORITY, SHADOW_PRIORITY = -1e18, 1.0
 
 
 class FidelityGuard:
@@ -67,7 +70,7 @@ class FidelityGuard:
         try:
             cal = await self.run_background(calibration_steps(
                 self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-                self.s.fidelity_tie_margin, self.s.background_chunk_tokens))
+                self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=CALIBRATION_PRIORITY)
             if cal is None:
                 return  # the engine's background backlog was full: a later request schedules it again
             block.meta["calibration"] = json.dumps(cal.to_dict())
@@ -116,7 +119,7 @@ class FidelityGuard:
             _, full = yield from self.rt.full_prefill_steps(plan.ids, chunk)
             return comp.logits, full
 
-        both = await self.run_background(steps())
+        both = await self.run_background(steps(), priority=SHADOW_PRIORITY)
         if both is None:
             return  # the engine's background backlog was full: this sample is skipped
         fid = logit_agreement(*both, self.s.fidelity_tie_margin)

@@ -1,16 +1,21 @@
-"""PrefixRefiner: exact K/V for skill sequences that repeat.
+"""PrefixRefiner: exact K/V for prompt heads that repeat.
 
 Composition is exact for the first skill of a prompt and approximate for the ones after it: they were
 compiled alone and never attended to the skills before them (docs/BENCHMARKS.md, Fidelity). A client that
 sends the same skills in the same order again and again (an agent re-sending its skills every turn through
-/v1/compose or /v1/chat/completions) need not live with that. Once a sequence has been composed
-SKILLCACHE_REFINE_AFTER times, the serving engine prefills it in full as background work, in chunks (a live
-request waits behind one chunk at most), and the result stays in the memory tier. Requests that open with
-that sequence then copy it as an exact prefix (no rotation, no seams) and compose only what follows.
+/v1/compose or /v1/chat/completions) need not live with that. Once a prompt head has been composed
+SKILLCACHE_REFINE_AFTER times, the serving engine prefills it in full as background work (its guaranteed share,
+in chunks: a live request waits behind one chunk at most), starting from the longest exact prefix already held
+(refining `[A, B, C]` after `[A, B]` prefills only C's part), and stores it like a block: memory, disk and Redis
+tiers, so every replica serves it. Requests that open with it copy it as an exact prefix (no rotation, no seams)
+and compose only what follows.
 
-The key is the prompt's token ids through the last skill (the template's opening, the skill texts and the
-separators), the model fingerprint and the tenant namespace, so a refined prefix is never stale: an edited
-skill or field value is a different sequence. Requests that edit fields inside a block (`in_place`,
+A head is a prefix the prompt shares with others at a boundary: through the second, third... skill, or through
+the whole system turn (the skills, the system text and errata lines) up to the first message. Each is counted;
+the longest whose count reached REFINE_AFTER is refined, so unique system texts or errata still get their skill
+sequence refined. Backlog order: expected benefit (times seen x tokens it would make exact). The key is the
+head's token ids, the model fingerprint and the tenant namespace, so a refined prefix is never stale: an edited
+skill, system text or field value is a different head. Requests that edit fields inside a block (`in_place`,
 `field+erratum`) are left alone: those modes define which tokens are recomputed, and an exact prefix would
 silently turn them into a full recompute.
 """
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
     from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
-_SEEN_MAX = 4096  # sequences whose composition count is remembered (LRU)
+_SEEN_MAX = 4096  # heads whose composition count is remembered (LRU)
 
 
 class PrefixRefiner:
@@ -50,42 +55,84 @@ class PrefixRefiner:
     def _eligible(self, plan: "PromptPlan") -> bool:
         return bool(self.after) and not any(seg.recompute for seg in plan.segments)
 
-    async def lookup(self, namespace: str, plan: "PromptPlan") -> "KVBlock | None":
-        """The longest refined prefix the plan opens with (two skills or more), or None."""
-        if not self._eligible(plan):
-            return None
-        ids = plan.ids
-        for end in reversed(plan.skill_ends()[1:]):  # one skill: already exact (compiled after the anchor)
-            block, _ = await self.store.get(self.key(namespace, ids[:end]), ephemeral=True)
-            if block is not None and block.token_ids == ids[:end]:
+    @staticmethod
+    def heads(plan: "PromptPlan") -> list[int]:
+        """Where the plan's shareable heads end, longest first: the system turn (up to the first message), then
+        each skill from the second on (one skill is exact already: compiled after the template's opening)."""
+        ends = plan.skill_ends()
+        if len(ends) < 2:
+            return []
+        out = [e for e in reversed(ends[1:])]
+        if plan.head_end is not None and ends[-1] < plan.head_end < plan.n_tokens:
+            out.insert(0, plan.head_end)
+        return out
+
+    async def _held(self, namespace: str, ids: list[int], ends: list[int]) -> "KVBlock | None":
+        for end in ends:
+            block, _ = await self.store.get(self.key(namespace, ids[:end]),
+                                            accept=lambda b, end=end: b.token_ids == ids[:end])
+            if block is not None:
                 return block
         return None
 
+    async def lookup(self, namespace: str, plan: "PromptPlan") -> "KVBlock | None":
+        """The longest refined head the plan opens with, or None."""
+        if not self._eligible(plan):
+            return None
+        return await self._held(namespace, plan.ids, self.heads(plan))
+
     def note(self, namespace: str, plan: "PromptPlan", n_prefix: int) -> None:
-        """A composition of `plan` was served (`n_prefix` tokens of it from a refined prefix): count its skill
-        sequence, and refine it in the background once it has been composed `after` times."""
-        ends = plan.skill_ends()
-        if not self._eligible(plan) or len(ends) < 2 or n_prefix >= ends[-1]:
+        """A composition of `plan` was served (`n_prefix` tokens of it from a refined prefix): count its heads, and
+        refine the longest one composed `after` times in the background."""
+        if not self._eligible(plan):
             return
-        ids = plan.ids[:ends[-1]]
-        key = self.key(namespace, ids)
-        k = str(key)
-        self._seen[k] = self._seen.pop(k, 0) + 1
+        target = None
+        for end in self.heads(plan):
+            if end <= n_prefix:
+                break  # this head and the shorter ones are exact already
+            k = str(self.key(namespace, plan.ids[:end]))
+            self._seen[k] = self._seen.pop(k, 0) + 1
+            if target is None and self._seen[k] >= self.after and k not in self._pending:
+                target = (end, k, self._seen[k])
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
-        if self._seen[k] >= self.after and k not in self._pending:
+        if target is not None:
+            end, k, count = target
             self._pending.add(k)
-            if not self.guard.spawn(self._refine(key, ids)):
+            benefit = count * (end - n_prefix)  # tokens this would have made exact, so far
+            shorter = [e for e in self.heads(plan) if e < end]
+            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, benefit)):
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
 
-    async def _refine(self, key: BlockKey, ids: list[int]) -> None:
+    async def _refine(self, namespace: str, ids: list[int], shorter: list[int], benefit: int) -> None:
+        key = self.key(namespace, ids)
         try:
-            block = await self.guard.run_background(self.rt.exact_prefix_steps(ids, self.chunk))
+            held = await self._held(namespace, ids, shorter)
+            block = await self.guard.run_background(self.rt.exact_prefix_steps(ids, self.chunk, held),
+                                                    priority=-float(benefit))
             if block is None:
                 return  # the engine's background backlog was full: a later request tries again
-            await self.store.put(key, block, ephemeral=True)
+            await self.store.put(key, block)
+            await self._put_skills_level(namespace, block, shorter, held)
+            n_held = held.n_tokens if held is not None else 0
             self._seen.pop(str(key), None)
             metrics.REFINED_PREFIXES.inc()
-            log.info("refined a %d-token skill sequence into an exact prefix", len(ids))
+            metrics.REFINE_TOKENS.labels("prefilled").inc(len(ids) - n_held)
+            metrics.REFINE_TOKENS.labels("copied").inc(n_held)
+            log.info("refined a %d-token prompt head into an exact prefix (%d tokens prefilled, %d copied)",
+                     len(ids), len(ids) - n_held, n_held)
         finally:
             self._pending.discard(str(key))
+
+    async def _put_skills_level(self, namespace: str, block: "KVBlock", shorter: list[int],
+                                held: "KVBlock | None") -> None:
+        """A refined system turn also serves prompts that share only its skills (another system text, errata, or
+        more skills after them): keep its prefix through the last skill too (views of the same tensors)."""
+        from service.kv.block import KVBlock
+
+        if not shorter or (held is not None and held.n_tokens >= shorter[0]):
+            return
+        end = shorter[0]
+        sub = KVBlock([k[:, :, :end] for k in block.keys], [v[:, :, :end] for v in block.values],
+                      block.token_ids[:end], block.model_fingerprint, base=0)
+        await self.store.put(self.key(namespace, sub.token_ids), sub)

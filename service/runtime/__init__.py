@@ -14,9 +14,15 @@ def build_runtime(settings: Settings):
     from service.runtime.engine import ModelRuntime
     from service.runtime.fingerprint import model_fingerprint
     from service.runtime.loader import load_model
+    from service.runtime.templates import use_chat_template
 
-    loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype)
-    fp = model_fingerprint(
-        loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, settings.home / "fingerprints.json"
-    )
+    digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
+    loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
+    loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it
+    if settings.quantization == "int8":
+        from service.runtime.quantize import quantize_linears
+
+        quantize_linears(loaded.model)
+    fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
+                           quantization=settings.quantization)
     return ModelRuntime(loaded, fp)

@@ -12,6 +12,8 @@ import torch
 
 from service.runtime.params import Delta, Done, GenParams
 
+_WINDOW = 16  # tokens TokenStream re-decodes at most per new token (a partial UTF-8 sequence spans <= 4)
+
 
 def sample_token(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None) -> int:
     """logits: [V] float32 -> token id."""
@@ -46,6 +48,7 @@ class TokenStream:
     def __init__(self, tokenizer, eos_ids: set[int], p: GenParams, first_logits: torch.Tensor | None = None) -> None:
         self.tok, self.eos_ids, self.p = tokenizer, eos_ids, p
         self.ids: list[int] = []
+        self._fixed, self._offset = "", 0  # text of ids[:_offset], settled
         self.emitted = 0
         self.holdback = max((len(s) for s in p.stop), default=1) - 1
         self.reason: str | None = None
@@ -63,12 +66,25 @@ class TokenStream:
     def sample(self, logits: torch.Tensor) -> int:
         return sample_token(logits, self.p, self.gen)
 
+    def _text(self) -> str:
+        """The text of self.ids, re-decoding only a window of the last tokens instead of the whole reply each token.
+        The window's head is settled into `_fixed` only where decoding in two parts gives the same text as in one
+        (byte-level BPE always; a tokenizer that drops a leading space at a cut just keeps decoding the window)."""
+        window = self.tok.decode(self.ids[self._offset:], skip_special_tokens=True)
+        text = self._fixed + window
+        if len(self.ids) - self._offset > _WINDOW and not window.endswith("\ufffd"):
+            cut = len(self.ids) - _WINDOW // 2
+            head = self.tok.decode(self.ids[self._offset:cut], skip_special_tokens=True)
+            if not head.endswith("\ufffd") and head + self.tok.decode(self.ids[cut:], skip_special_tokens=True) == window:
+                self._fixed, self._offset = self._fixed + head, cut
+        return text
+
     def push(self, tok: int) -> list[Delta]:
         if tok in self.eos_ids:
             self.reason = "stop"
             return []
         self.ids.append(tok)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         out: list[Delta] = []
         cut = min((i for i in (text.find(s, max(0, self.emitted - self.holdback)) for s in self.p.stop if s)
                    if i >= 0), default=-1)
@@ -90,7 +106,7 @@ class TokenStream:
     def finish(self, reason: str | None = None) -> list[Delta | Done]:
         """The rest of the text and the Done; `reason` (e.g. "cancelled") when the stream ended early."""
         reason = self.reason or reason or "length"
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self._fixed + self.tok.decode(self.ids[self._offset:], skip_special_tokens=True)
         if reason == "stop" and self.p.stop:
             cuts = [i for i in (text.find(s) for s in self.p.stop if s) if i >= 0]
             text = text[: min(cuts)] if cuts else text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -158,9 +157,16 @@ class ModelRuntime:
         return cache, logits
 
     @torch.inference_mode()
-    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS) -> Steps:
-        """full_prefill_steps, then the cache as a base-0 block: a refined prefix (service/compose/refine.py)."""
-        cache, _ = yield from self.full_prefill_steps(ids, chunk)
+    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS,
+                           held: KVBlock | None = None) -> Steps:
+        """The full prefill of `ids` as a base-0 block: a refined prefix (service/compose/refine.py). `held`: an
+        exact prefix of `ids` already refined; only the tokens after it are prefilled."""
+        k = 0
+        cache = new_cache(self.model.config, reserve_tokens=len(ids))
+        if held is not None and held.base == 0 and 0 < held.n_tokens < len(ids) and ids[:held.n_tokens] == held.token_ids:
+            append_kv(cache, held.keys, held.values)
+            k = held.n_tokens
+        yield from self.forward_steps(ids[k:], k, cache, chunk)
         return block_from_cache(cache, ids, self.fingerprint, base=0)
 
     @torch.inference_mode()
@@ -177,16 +183,22 @@ class ModelRuntime:
         return PrefillResult(cache, logits, len(ids), lcp, len(ids) - lcp, {"prefill_ms": ms})
 
     def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
-        """Copy an exact prefix (plan.ids[:N], N at a segment boundary) into the empty cache; return the
-        segments after it."""
+        """Copy an exact prefix (plan.ids[:N]: it ends at a segment boundary or inside a text segment, before the
+        prompt's end) into the empty cache; return the segments after it (a text segment cut at N keeps its rest)."""
         n = prefix.n_tokens
-        if plan.ids[:n] != prefix.token_ids:
-            raise InvalidRequest("internal: the prefix's ids differ from the prompt's")
-        ends = list(itertools.accumulate(len(seg.ids) for seg in plan.segments))
-        if n not in ends[:-1]:
-            raise InvalidRequest("internal: a prefix must end at a segment boundary, before the prompt's end")
+        if plan.ids[:n] != prefix.token_ids or n >= plan.n_tokens:
+            raise InvalidRequest("internal: the prefix's ids differ from the prompt's, or leave nothing to run")
+        start = 0
+        for i, seg in enumerate(plan.segments):
+            end = start + len(seg.ids)
+            if end > n:
+                if start < n and seg.kind != "text":
+                    raise InvalidRequest("internal: a prefix may not end inside a skill block")
+                rest = [Segment("text", seg.ids[n - start:])] if start < n else [seg]
+                break
+            start = end
         append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
-        return plan.segments[ends.index(n) + 1:]
+        return rest + plan.segments[i + 1:]
 
     def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
         """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""

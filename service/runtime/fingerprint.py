@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 * 1024 * 1024
 
 
-def _file_digest(path: Path, cache_file: Path | None) -> str:
+def file_digest(path: Path, cache_file: Path | None) -> str:
+    """sha256 of a file's bytes, remembered in `cache_file` by (resolved path, size, mtime): a file is read once
+    per change (weights for the fingerprint, GGUF files for their conversion's name)."""
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     cache: dict[str, str] = {}
@@ -58,7 +60,7 @@ def weights_digest(model: PreTrainedModel, source_files: list[Path], cache_file:
     if source_files:
         for p in source_files:
             h.update(p.name.encode())
-            h.update(_file_digest(p, cache_file).encode())
+            h.update(file_digest(p, cache_file).encode())
     else:
         for name, t in sorted(model.state_dict().items()):
             h.update(name.encode())
@@ -86,6 +88,7 @@ def model_fingerprint(
     source_files: list[Path],
     dtype: torch.dtype,
     cache_file: Path | None = None,
+    quantization: str = "none",
 ) -> str:
     """A short stable id: sha256 over weights, tokenizer + templates, the text config, dtype, layout."""
     # the whole text config: any field can change the K/V (rms_norm_eps, layer_types, no_rope_layers,
@@ -99,4 +102,6 @@ def model_fingerprint(
         "dtype": str(dtype),
         "layout": LAYOUT_VERSION,
     }
+    if quantization != "none":  # absent for unquantized models: their fingerprints stay what they were
+        parts["quantization"] = quantization
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

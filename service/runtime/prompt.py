@@ -45,6 +45,8 @@ class TemplateTools:
 @dataclass
 class PromptPlan:
     segments: list[Segment] = field(default_factory=list)
+    head_end: int | None = None  # where the conversation's first message starts: ids[:head_end] is the head
+    # (template opening, skills, system text, errata), the same for every request that shares them
 
     @property
     def ids(self) -> list[int]:
@@ -134,9 +136,11 @@ class PromptBuilder:
             rendered = rendered.replace(tools.text, sentinel("block", tools), 1)
 
         plan = PromptPlan()
-        cursor = 0
+        cursor, n_head = 0, len(sys_parts)  # pieces before n_head are the system turn's
         for match in _SENTINEL_RE.finditer(rendered):
             self._add_text(plan, rendered[cursor : match.start()])
+            if int(match.group(1)) == n_head and plan.head_end is None:
+                plan.head_end = plan.n_tokens
             kind, value = pieces[int(match.group(1))]
             if kind == "skill":
                 plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))

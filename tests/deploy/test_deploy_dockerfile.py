@@ -28,11 +28,17 @@ def builder_stage() -> int:
     return NAMES.index("builder")
 
 
-def builder_script() -> str:
+def builder_scripts() -> tuple[str, str]:
+    """The builder's two install RUNs (heredoc scripts): the dependencies, then the service."""
     runs = [i for i in in_stage(builder_stage(), "RUN") if "scripts/install.sh" in "".join(i.heredocs) + i.args]
-    assert len(runs) == 1, "the builder installs in exactly one RUN"
-    assert runs[0].heredocs, "the install RUN is a heredoc script"
-    return runs[0].heredocs[0]
+    assert len(runs) == 2, "the builder installs in two RUNs: the dependencies, then the service"
+    assert all(r.heredocs for r in runs), "the install RUNs are heredoc scripts"
+    return runs[0].heredocs[0], runs[1].heredocs[0]
+
+
+def builder_script() -> str:
+    """Both install RUNs, in order, as one script (what the builder runs in total)."""
+    return "\n".join(builder_scripts())
 
 
 def test_multi_stage():
@@ -49,15 +55,30 @@ def test_multi_stage():
 
 
 def test_builder_installs_through_install_script():
-    script = builder_script()
-    assert re.search(r"^SKILLCACHE_EXTRAS='' .*scripts/install\.sh /opt/venv$", script, re.M), script
+    deps, service = builder_scripts()
+    assert re.search(r"^TORCH_BUILD=\"\$BASE\" SKILLCACHE_EXTRAS='' .*scripts/install\.sh --deps-only /opt/venv$",
+                     deps, re.M), deps
+    assert re.search(r"^TORCH_BUILD=\"\$BASE\" SKILLCACHE_EXTRAS='' .*scripts/install\.sh /opt/venv$", service, re.M)
     args = {i.args.split("=")[0]: i.args for i in in_stage(builder_stage(), "ARG")}
     assert args["BASE"] == "BASE=cuda"
     assert "TORCH_INDEX_URL" in args
     # pass-through mirror settings: declared without a default, so an unset one stays unset for pip
     assert args["PIP_INDEX_URL"] == "PIP_INDEX_URL" and args["PIP_EXTRA_INDEX_URL"] == "PIP_EXTRA_INDEX_URL"
-    assert "https://download.pytorch.org/whl/cpu" in script
-    assert "PIP_EXTRA_INDEX_URL" in script
+
+
+def test_dependencies_are_installed_before_the_source_is_copied():
+    """A code change must not reinstall torch: the dependency RUN sees only the files install.sh reads for it."""
+    builder = in_stage(builder_stage())
+    copies = [i for i in builder if i.cmd == "COPY"]
+    deps_run = next(i for i in builder if i.cmd == "RUN" and "--deps-only" in "".join(i.heredocs))
+    context = next(i for i in copies if i.args == ". /app")
+    before = [i.args for i in copies if i.line < deps_run.line]
+    assert before == ["pyproject.toml /app/", "clients/python/pyproject.toml /app/clients/python/",
+                      "scripts/install.sh /app/scripts/"], before
+    assert context.line > deps_run.line
+    service_run = next(i for i in builder if i.cmd == "RUN" and "--deps-only" not in "".join(i.heredocs)
+                       and "install.sh" in "".join(i.heredocs))
+    assert service_run.line > context.line
 
 
 def test_runtime_stage_copies_and_does_not_install():
@@ -114,15 +135,16 @@ def test_builder_script_is_valid_sh():
     assert proc.returncode == 0, proc.stderr
 
 
-def _run_builder(tmp_path: Path, **env) -> tuple[int, str, str]:
-    """Run the builder's heredoc with /bin/sh, with scripts/install.sh and the venv python replaced by stubs
-    that record how they were called."""
+def _run_builder(tmp_path: Path, **env) -> tuple[int, list[str], str]:
+    """Run the builder's install heredocs with /bin/sh, with scripts/install.sh and the venv python replaced by
+    stubs that record how they were called (one line per install.sh call)."""
     app, venv, log = tmp_path / "app", tmp_path / "venv", tmp_path / "install.log"
     (app / "scripts").mkdir(parents=True)
     (venv / "bin").mkdir(parents=True)
     stub = (
         "#!/bin/sh\n"
-        f"echo \"EXTRAS=${{SKILLCACHE_EXTRAS-<unset>}}|INDEX=${{PIP_EXTRA_INDEX_URL-<unset>}}|ARGS=$*\" > {log}\n"
+        f"echo \"BUILD=${{TORCH_BUILD-<unset>}}|INDEX=${{TORCH_INDEX_URL-<unset>}}"
+        f"|EXTRAS=${{SKILLCACHE_EXTRAS-<unset>}}|ARGS=$*\" >> {log}\n"
     )
     (app / "scripts" / "install.sh").write_text(stub)
     (venv / "bin" / "python").write_text("#!/bin/sh\ncat > /dev/null\n")
@@ -133,31 +155,32 @@ def _run_builder(tmp_path: Path, **env) -> tuple[int, str, str]:
         ["sh", "-c", script], cwd=app, capture_output=True, text=True,
         env={"PATH": os.environ["PATH"], **env},
     )
-    return proc.returncode, log.read_text().strip() if log.exists() else "", proc.stderr
+    return proc.returncode, log.read_text().splitlines() if log.exists() else [], proc.stderr
 
 
 @pytest.mark.parametrize(
-    "env, index",
+    "env, build, index",
     [
-        ({"BASE": "cuda"}, "<unset>"),
-        ({"BASE": "cpu"}, "https://download.pytorch.org/whl/cpu"),
+        ({"BASE": "cuda"}, "cuda", "<unset>"),
+        ({"BASE": "cpu"}, "cpu", "<unset>"),
         ({"BASE": "cuda", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu126"},
-         "https://download.pytorch.org/whl/cu126"),
-        ({"BASE": "cpu", "PIP_EXTRA_INDEX_URL": "https://mirror.example/simple"},
-         "https://mirror.example/simple https://download.pytorch.org/whl/cpu"),
+         "cuda", "https://download.pytorch.org/whl/cu126"),
     ],
-    ids=["cuda", "cpu", "cuda-other-index", "cpu-with-mirror"],
+    ids=["cuda", "cpu", "cuda-other-index"],
 )
-def test_builder_script_passes_the_torch_index(tmp_path, env, index):
-    rc, log, err = _run_builder(tmp_path, **env)
+def test_builder_script_passes_the_torch_choice(tmp_path, env, build, index):
+    """BASE decides the torch build (install.sh's TORCH_BUILD), not a GPU probe on the build machine."""
+    rc, calls, err = _run_builder(tmp_path, **env)
     assert rc == 0, err
-    assert log == f"EXTRAS=|INDEX={index}|ARGS={tmp_path / 'venv'}"
+    venv = tmp_path / "venv"
+    assert calls == [f"BUILD={build}|INDEX={index}|EXTRAS=|ARGS=--deps-only {venv}",
+                     f"BUILD={build}|INDEX={index}|EXTRAS=|ARGS={venv}"]
     assert (tmp_path / "app" / "skills").is_dir(), "runtime COPY of skills/ needs the folder even when empty"
 
 
 def test_builder_script_rejects_an_unknown_base(tmp_path):
-    rc, log, err = _run_builder(tmp_path, BASE="gpu")
-    assert rc == 2 and "BASE must be" in err and not log
+    rc, calls, err = _run_builder(tmp_path, BASE="gpu")
+    assert rc == 2 and "BASE must be" in err and not calls
 
 
 def test_hadolint():
@@ -207,5 +230,7 @@ def test_dockerignore_keeps_every_tracked_install_input():
 
 def test_builder_copies_the_context_that_install_needs():
     copies = [i.args for i in in_stage(builder_stage(), "COPY")]
-    assert copies == [". /app"], "the builder copies the (allowlisted) context; .dockerignore decides what"
+    assert copies[-1] == ". /app", "the builder copies the (allowlisted) context; .dockerignore decides what"
+    for c in copies[:-1]:  # the dependency layer's inputs reach the context too
+        assert not dockerignore_excludes(RULES, c.split()[0]), c
     assert shlex.split(next(i.args for i in in_stage(builder_stage(), "WORKDIR"))) == ["/app"]

@@ -69,6 +69,11 @@ class Replica(devserver.ServiceProcess):
         return httpx.post(f"{self.url}/v1/skills", params={"compile": str(compile).lower()},
                           json={"name": name, "text": text}, timeout=120)
 
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        m = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
     def compose(self, name: str, timeout: float = 120) -> httpx.Response:
         return httpx.post(f"{self.url}/v1/compose", timeout=timeout,
                           json={"skills": [name], "user": "Say OK.", "max_tokens": MAX_TOKENS})
@@ -189,6 +194,27 @@ def test_delete_on_b_removes_the_skill_for_a(cluster):
     # the name is free again: registering it anew starts over at version 1
     r = b.register("doomed", _skill_text("doomed-again"), compile=False)
     assert r.status_code == 201 and r.json()["version"] == 1, r.text
+
+
+def test_a_prefix_refined_on_a_is_served_by_b_without_a_prefill(cluster):
+    """Refined prefixes are stored like blocks: B copies the exact prefix A refined from Redis."""
+    a, b = cluster["A"], cluster["B"]
+    for tag in ("p", "q"):
+        assert a.register(f"pre-{tag}", _skill_text(tag)).status_code == 201
+    body = {"skills": ["pre-p", "pre-q"], "user": "Say OK.", "max_tokens": MAX_TOKENS, "seam_tokens": 2}
+    refined = "skillcache_refined_prefixes_total"
+    before = a.metric(refined)
+    for _ in range(2):  # composed twice on A (SKILLCACHE_REFINE_AFTER=2): A refines it in the background
+        assert httpx.post(f"{a.url}/v1/compose", json=body, timeout=120).status_code == 200
+    deadline = time.monotonic() + 180
+    while a.metric(refined) == before:
+        assert time.monotonic() < deadline, "A did not refine the pair" + a.log_tail()
+        time.sleep(0.5)
+    b_prefilled = b.metric("skillcache_refine_tokens_total", '{kind="prefilled"}')
+    r = httpx.post(f"{b.url}/v1/compose", json=body, timeout=120)
+    assert r.status_code == 200, r.text + b.log_tail()
+    assert [s["path"] for s in r.json()["skills"]] == ["prefix", "prefix"] and r.json()["usage"]["prefix_tokens"] > 0
+    assert b.metric(refined) == 0 and b.metric("skillcache_refine_tokens_total", '{kind="prefilled"}') == b_prefilled
 
 
 def test_sigkill_of_a_under_load_leaves_b_serving(cluster):

@@ -1,26 +1,30 @@
-"""The embedded model's converted directory: one per package version, not one per install."""
+"""The embedded model's converted directory: named for the GGUF's content, so a reinstall of the same package
+(same bytes, new mtime, maybe a new venv path) keeps it and other bytes get another one."""
 
 import os
+import shutil
 
-from service.runtime.loader import EMBEDDED_NAME, embedded_cache_name, remove_stale_conversions
+from service.runtime.gguf import GGUFSource, conversion_dir
+from service.runtime.loader import EMBEDDED_NAME, gguf_source
 
 
-def test_cache_name_survives_a_reinstall(tmp_path):
-    gguf = tmp_path / "model.gguf"
+def test_embedded_is_a_gguf_source_like_any_other():
+    src = gguf_source("embedded")
+    assert src.name == EMBEDDED_NAME and src.origin == "embedded" and src.path.suffix == ".gguf"
+
+
+def test_conversion_dir_survives_a_reinstall(tmp_path):
+    gguf = tmp_path / "venv1" / "model.gguf"
+    gguf.parent.mkdir()
     gguf.write_bytes(b"x" * 1000)
-    before = embedded_cache_name(gguf)
+    cache = tmp_path / "fingerprints.json"
+    before = conversion_dir(GGUFSource(gguf, EMBEDDED_NAME, "embedded"), tmp_path, cache)
+    assert before.name.startswith(f"{EMBEDDED_NAME}-") and len(before.name) == len(EMBEDDED_NAME) + 17
     os.utime(gguf, (1, 1))  # a reinstall of the same version rewrites the file with a new mtime
-    assert embedded_cache_name(gguf) == before and before.startswith(f"{EMBEDDED_NAME}-1000-v")
-    gguf.write_bytes(b"x" * 1001)  # other bytes: another conversion
-    assert embedded_cache_name(gguf) != before
-
-
-def test_stale_conversions_are_removed(tmp_path):
-    keep = tmp_path / f"{EMBEDDED_NAME}-98362432-v0.1.2"
-    stale = [tmp_path / f"{EMBEDDED_NAME}-98362432-1795943429", tmp_path / f"{EMBEDDED_NAME}-98362432-v0.1.1"]
-    other = tmp_path / "Qwen3-8B"  # not ours
-    for d in [keep, *stale, other]:
-        d.mkdir()
-        (d / "config.json").write_text("{}")
-    assert remove_stale_conversions(tmp_path, keep) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, other.name])
+    moved = tmp_path / "venv2" / "model.gguf"  # or a new venv
+    moved.parent.mkdir()
+    shutil.copy(gguf, moved)
+    for path in (gguf, moved):
+        assert conversion_dir(GGUFSource(path, EMBEDDED_NAME, "embedded"), tmp_path, cache) == before
+    gguf.write_bytes(b"y" * 1000)  # other bytes, same size: another conversion
+    assert conversion_dir(GGUFSource(gguf, EMBEDDED_NAME, "embedded"), tmp_path, cache) != before

@@ -227,3 +227,38 @@ async def test_a_short_prompt_is_not_held_behind_a_long_prefill(rt):
     finally:
         eng.stop()
     assert order == ["short", "long"]
+
+
+def test_background_work_runs_lowest_priority_first():
+    """Calibrations before refinements (by expected benefit), shadow checks last."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        works = {name: StepsWork(Job(loop), iter(()), background=True, priority=p)
+                 for name, p in [("shadow", 1.0), ("refine-small", -10.0), ("calibration", -1e18), ("refine-big", -500.0)]}
+        for w in works.values():
+            assert sched.add(w)
+        order = []
+        while (w := sched.next_background(live_pending=False)) is not None:
+            order.append(next(name for name, x in works.items() if x is w))
+            w.finished = True
+    finally:
+        loop.close()
+    assert order == ["calibration", "refine-big", "refine-small", "shadow"]
+
+
+def test_token_stream_text_equals_a_full_decode_however_long(rt):
+    """The stream re-decodes a window, not the whole reply per token: its deltas still add up to the full text."""
+    from service.runtime.decode import TokenStream
+
+    text = "Refunds are allowed within 30 days of delivery — café, naïve, 😀 — when the item is unused. " * 12
+    ids = rt.tokenizer.encode(text, add_special_tokens=False)
+    stream = TokenStream(rt.tokenizer, set(), GenParams(max_tokens=len(ids)))
+    deltas = [d.text for t in ids for d in stream.push(t)]
+    done = stream.finish()
+    text = "".join(deltas + [d.text for d in done if isinstance(d, Delta)])
+    assert text == done[-1].text == rt.tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream._offset > 200  # it settled most of the reply
