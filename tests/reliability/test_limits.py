@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ADMIN, OTHER, USER, app_client, bearer, write_keys
+from conftest import ADMIN, OTHER, USER, ServiceProcess, app_client, bearer, sse_events, write_keys
 from service.api.auth import RateLimiter
 
 TEXT = "Refunds are allowed within 30 days of delivery when the item is unused."
@@ -152,7 +152,6 @@ def test_sigterm_drains_the_running_sequences(tmp_path):
 
     import httpx
 
-    from conftest import ServiceProcess, sse_events
 
     svc = ServiceProcess(tmp_path / "home", SKILLCACHE_SHUTDOWN_GRACE_S="120")
     svc.start()
