@@ -124,6 +124,26 @@ class TopLogprob(BaseModel):
     logprob: float
 
 
+class ToolCallFunctionOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunctionOut
+
+
+class ToolsUse(BaseModel):
+    format: Literal["hermes", "fallback", "llama3_json"]
+    native: bool  # rendered by the chat template's own tools support
+    n_tokens: int
+    source: Literal["memory", "disk", "redis", "compiled"] | None = None
+    path: Literal["compose", "full", "prefix", "text"]
+    seam: int | None = None
+
+
 class ComposeResponse(BaseModel):
     text: str
     finish_reason: str
@@ -132,3 +152,5 @@ class ComposeResponse(BaseModel):
     skills: list[SkillUse]
     edits: list[dict[str, Any]] = []
     logprobs: list[TopLogprob] | None = None
+    tool_calls: list[ToolCallOut] | None = None  # when the request offered tools
+    tools: ToolsUse | None = None

@@ -54,14 +54,16 @@ class FidelityGuard:
             return int(cal["seam"]), "compose"
         return self.s.seam_tokens, "compose"
 
-    def schedule_calibration(self, key, block) -> None:
+    def schedule_calibration(self, key, block, ephemeral: bool = False) -> None:
+        """ephemeral: the block lives in the memory tier only (a request's tools block), and so does its
+        calibration."""
         k = str(key)
         if self.s.seam_auto and calibration_of(block) is None and k not in self._calibrating:
             self._calibrating.add(k)
-            if not self.spawn(self._calibrate(key, block, self._deletes)):
+            if not self.spawn(self._calibrate(key, block, self._deletes, ephemeral)):
                 self._calibrating.discard(k)  # the background backlog is full: a later request tries again
 
-    async def _calibrate(self, key, block, since: int) -> None:
+    async def _calibrate(self, key, block, since: int, ephemeral: bool = False) -> None:
         from service.runtime.calibrate import calibration_steps
 
         k = str(key)
@@ -78,7 +80,7 @@ class FidelityGuard:
                     return  # its skill was deleted meanwhile: don't write the block back
                 self.degraded.pop(k, None)
                 metrics.DEGRADED_SKILLS.set(len(self.degraded))
-                await self.store.put(key, block)  # the calibration travels with the block (disk, Redis)
+                await self.store.put(key, block, ephemeral=ephemeral)  # the calibration travels with the block
         finally:
             self._calibrating.discard(k)
 

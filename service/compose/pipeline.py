@@ -7,6 +7,7 @@ become ordinary error responses instead of broken streams.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,10 +19,16 @@ from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
+from service.compose.tooluse import ToolsPrep, check_block_size
+from service.kv.block import LAYOUT_VERSION
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
+from service.store.key import BlockKey
 from service.store.tiered import TieredStore
+from service.tools.events import parsed
+from service.tools.render import ToolPrompt
+from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
     from service.runtime.engine import ModelRuntime, PrefillResult
@@ -44,6 +51,7 @@ class ComposeParams:
     seam_tokens: int | None = None
     edit_mode: str = "erratum"
     namespace: str = "default"
+    tools: ToolsParams | None = None
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Prepared:
     paths: list[str]  # per skill: "compose" or "full" (degraded after a failed shadow check)
     mode: str  # what actually runs: "compose" or "full"
     prefix: object = None  # KVBlock: an exact prefix of the plan (refined skill sequence), or None
+    tools: ToolsPrep | None = None
 
 
 @dataclass
@@ -72,6 +81,7 @@ class Final:
     timings: dict
     skills: list[dict]
     edits: list[dict]
+    tools: dict | None = None  # the tools block: format, n_tokens, source, path, seam
 
 
 class ComposePipeline:
@@ -84,6 +94,7 @@ class ComposePipeline:
         self.engine = engine
         self.guard = FidelityGuard(settings, runtime, engine, store)
         self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard)
+        self.tool_prompt = ToolPrompt(runtime.prompts)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once on the engine) and where it came from.
@@ -91,18 +102,31 @@ class ComposePipeline:
         variant: a one-off text (a recompile edit's field values), kept in the memory tier only and not
         calibrated; registered skills' blocks go to every tier and are calibrated once."""
         key = self.registry.block_key(namespace, text)
+        block, source = await self._block(key, lambda: self.rt.prompts.encode_content(text), ephemeral=variant)
+        if not variant:
+            self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
+        return block, source
 
+    async def tools_block(self, namespace: str, ids: list[int]):
+        """The block of a request's tools (its ids: rendered and tokenized by ToolPrompt), its source and key. No
+        record owns it, so nothing would delete it: like a recompile variant it lives in the memory tier only,
+        least recently used first out; it is calibrated like a skill's (the calibration stays in memory too)."""
+        digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
+        key = BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"tools-{digest}")
+        block, source = await self._block(key, lambda: list(ids), ephemeral=True)
+        self.guard.schedule_calibration(key, block, ephemeral=True)
+        return block, source, key
+
+    async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
         async def compile_fn():
             t0 = time.perf_counter()
-            ids = self.rt.prompts.encode_content(text)  # only on a miss: hits never re-tokenize
+            ids = token_ids()  # only on a miss: hits never re-tokenize
             block = await self.engine.run_steps(self.rt.compile_block_steps(ids, chunk=self.settings.prefill_chunk_tokens))
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return block
 
-        block, source = await self.store.get_or_compile(key, compile_fn, ephemeral=variant)
+        block, source = await self.store.get_or_compile(key, compile_fn, ephemeral=ephemeral)
         metrics.SKILL_HITS.labels(source).inc()
-        if not variant:
-            self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
 
     def check_request(self, skills: list, max_tokens: int) -> None:
@@ -132,21 +156,45 @@ class ComposePipeline:
             sources.append(source)
             keys.append(key)
             seams.append(self.guard.seam_for(key, block, p.seam_tokens))
-        store_ms = (time.perf_counter() - t0) * 1e3
-        metrics.STAGE.labels("store").observe(store_ms / 1e3)
+        store_s = time.perf_counter() - t0
         skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
         errata = [line for e in edits for line in e.errata]
-        plan = self.rt.prompts.build(p.messages, skill_ids, errata=errata)
+        tb = self.tool_prompt.block(p.tools) if p.tools is not None and p.tools.tools else None
+        if tb is not None:
+            check_block_size(tb, self.settings.max_skill_tokens)
+        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb)
         for seg in plan.segments:
-            if seg.kind == "skill":
+            if seg.kind == "skill" and seg.skill_index < len(edits):
                 seg.recompute = list(edits[seg.skill_index].recompute)
+        tools = None
+        if tb is not None:
+            t1 = time.perf_counter()
+            tools = await self._add_tools(p, tb, t_index, plan, blocks, keys, seams)
+            store_s += time.perf_counter() - t1
+        store_ms = store_s * 1e3
+        metrics.STAGE.labels("store").observe(store_ms / 1e3)
         mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
-        self.rt.check_length(plan.n_tokens, p.gen.max_tokens, mode)
+        self.rt.check_length(plan.n_tokens + (tools.extra_tokens() if tools else 0), p.gen.max_tokens, mode)
         prefix = await self.refiner.lookup(p.namespace, plan) if mode == "compose" else None
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
         return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
                         [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode,
-                        prefix)
+                        prefix, tools)
+
+    async def _add_tools(self, p: ComposeParams, tb, t_index: int | None, plan, blocks: list, keys: list,
+                         seams: list) -> ToolsPrep:
+        """The forced opening and stop strings of the tool choice; the tools block (fetched, or compiled once) as one
+        more block after the skills' (blocks, keys, seams grow by one)."""
+        tools = ToolsPrep.make(p.tools, tb, t_index, self.tool_prompt.encode_template)
+        self.tool_prompt.force(plan, tools.opening)
+        p.gen = tools.gen(p.gen)
+        if t_index is not None:
+            tools.kv, tools.source, key = await self.tools_block(p.namespace, list(tb.ids))
+            tools.key = str(key)
+            blocks.append(tools.kv)
+            keys.append(tools.key)
+            seams.append(self.guard.seam_for(tools.key, tools.kv, p.seam_tokens))
+        return tools
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
         """Submit to the engine and wait for the first event; returns the event stream."""
@@ -158,10 +206,15 @@ class ComposePipeline:
 
         steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
                                       prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens)
-        job = self.engine.submit_sequence(steps, prep.params.gen, prep.plan.n_tokens, on_prefilled=on_prefilled)
+        n_prompt = prep.plan.n_tokens
+        if prep.tools is not None:
+            steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()
+        job = self.engine.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)  # prefill errors surface here, before any byte is sent
-        return self._events(prep, first, stream, box, prep.mode)
+        events = self._events(prep, first, stream, box, prep.mode)
+        parser = prep.tools.parser() if prep.tools is not None else None  # after the prefill: its choice made
+        return parsed(events, parser) if parser is not None else events
 
     async def _events(self, prep: Prepared, first, stream, box, mode) -> AsyncIterator[Delta | Final]:
         item = first
@@ -181,25 +234,28 @@ class ComposePipeline:
         metrics.TTFT.labels(mode).observe(box["ttft_ms"] / 1e3)
         metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
         metrics.STAGE.labels("decode").observe((total_ms - box["ttft_ms"]) / 1e3)
-        metrics.TOKENS.labels("composed").inc(pre.n_reused)
+        segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
+        in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
+        fresh = prep.tools.copied_fresh(pre, in_prefix) if prep.tools is not None else 0
+        composed, recomputed = pre.n_reused - fresh, pre.n_recomputed + fresh
+        metrics.TOKENS.labels("composed").inc(composed)
         metrics.TOKENS.labels("prefix").inc(pre.n_prefix)
-        metrics.TOKENS.labels("recomputed").inc(pre.n_recomputed)
+        metrics.TOKENS.labels("recomputed").inc(recomputed)
         usage = {
-            "prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
-            "composed_tokens": pre.n_reused, "prefix_tokens": pre.n_prefix, "recomputed_tokens": pre.n_recomputed,
+            "prompt_tokens": pre.n_prompt, "reused_tokens": composed + pre.n_prefix,
+            "composed_tokens": composed, "prefix_tokens": pre.n_prefix, "recomputed_tokens": recomputed,
             "completion_tokens": len(done.token_ids),
         }
         timings = {
             "ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
             "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
         }
-        segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
-        in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
         skills = [  # seam: what was recomputed (0 for a first skill copied as is); None unless composed
             {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s,
              "path": "prefix" if i in in_prefix else mode if path == "compose" else path,
              "seam": pre.seams.get(i)}
             for i, (r, s, path) in enumerate(zip(prep.records, prep.sources, prep.paths))
         ]
-        return Final(done, usage, timings, skills, prep.edits)
+        tools = prep.tools.report(pre, in_prefix, mode) if prep.tools is not None else None
+        return Final(done, usage, timings, skills, prep.edits, tools)
 

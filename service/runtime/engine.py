@@ -93,6 +93,20 @@ class ModelRuntime:
         return out.logits[0, -1].float()  # [V]
 
     @torch.inference_mode()
+    def continuation_logprob(self, first_logits: torch.Tensor, ids: list[int], start: int, cache: DynamicCache
+                             ) -> float:
+        """log p(ids | the cached context): `first_logits` [V] are the context's next-token logits, and ids[:-1] run
+        at positions start.. onto the cache (appending to it; the caller truncates). Scores a forced choice."""
+        lp = float(torch.log_softmax(first_logits.float(), dim=-1)[ids[0]])
+        if len(ids) > 1:
+            input_ids = torch.tensor([ids[:-1]], device=self.device)  # [1, T-1]
+            pos = torch.arange(start, start + len(ids) - 1, device=self.device).unsqueeze(0)  # [1, T-1]
+            out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True)
+            lps = torch.log_softmax(out.logits[0].float(), dim=-1)  # [T-1, V]
+            lp += float(lps[torch.arange(len(ids) - 1), torch.tensor(ids[1:], device=lps.device)].sum())
+        return lp
+
+    @torch.inference_mode()
     def forward_steps(self, ids: list[int], start: int, cache: DynamicCache, chunk: int | None = None) -> Steps:
         """forward() in pieces of at most `chunk` tokens (None: one piece), a step each -> last logits [V].
         Chunking changes the result at float-rounding level only (docs/BENCHMARKS.md: KL ~3e-7)."""

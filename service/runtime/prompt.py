@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 _SENTINEL = "\x00{}\x00"
 _SENTINEL_RE = re.compile("\x00(\\d+)\x00")
 BLOCK_JOINER = "\n\n"  # between the system text, skill blocks and errata in the system turn
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # message keys a template with tools support reads
 
 
 @dataclass
@@ -28,6 +29,17 @@ class Segment:
     ids: list[int]
     skill_index: int | None = None  # index into the request's skill list
     recompute: list[tuple[int, int]] = field(default_factory=list)  # skill spans [s, e) to run, not copy
+
+
+@dataclass
+class TemplateTools:
+    """Tool specs for a chat template that renders `tools` itself, and the text it renders them as: that text is cut
+    out of the prompt as a block of its own (ids: its token ids) at index `index` of the request's blocks."""
+
+    specs: list[dict]
+    text: str
+    ids: list[int]
+    index: int
 
 
 @dataclass
@@ -92,11 +104,14 @@ class PromptBuilder:
         skill_ids: list[list[int]],
         errata: list[str] | None = None,
         add_generation_prompt: bool = True,
+        tools: TemplateTools | None = None,
     ) -> PromptPlan:
         """Lay skills, then the system text, then errata lines into the system turn and render the conversation.
 
         `messages`: OpenAI-style [{"role", "content", "ids"?}], an optional leading system message.
         `skill_ids`: each skill's precompiled token ids, in request order.
+        `tools`: rendered by the template (its own `tools` support); messages may then carry `tool_calls`,
+        `tool_call_id` and `name`, which reach the template as given.
         """
         pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
 
@@ -111,9 +126,14 @@ class PromptBuilder:
         sys_parts += [sentinel("content", line) for line in errata or []]
         # a message may carry "ids": its content's exact token ids (a session's generated replies),
         # so the transcript re-renders to the very tokens already cached
-        body = [{"role": m["role"], "content": sentinel("ids", m["ids"]) if m.get("ids") is not None
-                 else sentinel("content", m["content"])} for m in msgs]
-        rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt)
+        body = [{**{k: m[k] for k in _TOOL_KEYS if k in m}, "role": m["role"],
+                 "content": sentinel("ids", m["ids"]) if m.get("ids") is not None
+                 else "" if m.get("tool_calls") and not m["content"] else sentinel("content", m["content"])}
+                for m in msgs]
+        rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt,
+                                tools=tools.specs if tools else None)
+        if tools is not None and tools.text in rendered:
+            rendered = rendered.replace(tools.text, sentinel("block", tools), 1)
 
         plan = PromptPlan()
         cursor, n_head = 0, len(sys_parts)  # pieces before n_head are the system turn's
@@ -126,6 +146,8 @@ class PromptBuilder:
                 plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))
             elif kind == "ids":
                 self._add_ids(plan, value)
+            elif kind == "block":
+                plan.segments.append(Segment("skill", list(value.ids), skill_index=value.index))
             else:
                 self._add_text(plan, value, content=True)
             cursor = match.end()
@@ -149,14 +171,21 @@ class PromptBuilder:
         else:
             plan.segments.append(Segment("text", ids))
 
-    def _render(self, system: str | None, body: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render(self, system: str | None, body: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The conversation as the chat template renders it, `system` leading (service/tools probes it)."""
+        return self._render(system, body, add_generation_prompt, tools=tools)
+
+    def _render(self, system: str | None, body: list[dict[str, str]], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
         if not self.has_template:
             bos = self.tok.bos_token or ""
             turns = ([system] if system else []) + [m["content"] for m in body]
             return bos + BLOCK_JOINER.join(turns) + ("\n" if add_generation_prompt else "")
         conv = ([{"role": "system", "content": system}] if system else []) + body
         try:
-            rendered = self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            rendered = self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                    tools=tools)
             # some templates without a system role raise (Gemma), others drop the system turn silently (the first
             # Phi-3-mini): it holds the skills, so a render without all of them is no render
             if not system or set(_SENTINEL_RE.findall(system)) <= set(_SENTINEL_RE.findall(rendered)):
@@ -173,4 +202,5 @@ class PromptBuilder:
             raise error
         body = [dict(m) for m in body]
         body[first]["content"] = system + BLOCK_JOINER + body[first]["content"]
-        return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            tools=tools)

@@ -15,10 +15,14 @@ from collections.abc import AsyncIterator
 
 from service import metrics
 from service.compose.edits import check_fields, plan_edit
+from service.compose.tooluse import ToolsPrep, check_block_size
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.compose.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
 from service.sessions.saved import SavedSessions, Session
+from service.tools.conversation import link_results
+from service.tools.events import parsed, tool_calls_of
+from service.tools.spec import Tool, ToolChoice, ToolsParams, tools_params
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +39,14 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
-                     mode: str = "compose", seam_tokens: int | None = None) -> tuple[Session, dict]:
+                     mode: str = "compose", seam_tokens: int | None = None, tools: ToolsParams | None = None
+                     ) -> tuple[Session, dict]:
+        """`tools`: offered on every turn; their block is composed into the head with the skills."""
         if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
             raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
                                 "delete some first")
-        if not refs and not system:  # an empty head has nothing to cache (and no template renders it)
-            raise InvalidRequest("a session needs at least one skill or a system message")
+        if not refs and not system and tools is None:  # an empty head has nothing to cache (no template renders it)
+            raise InvalidRequest("a session needs at least one skill, a system message or tools")
         self.p.check_request(refs, 1)
         records = [await self.p.registry.get(ns, r.name, r.version) for r in refs]
         if len({r.name for r in records}) != len(records):
@@ -53,12 +59,20 @@ class SessionManager:
                     skills=[{"name": r.name, "version": r.version, "content_hash": r.content_hash} for r in records],
                     fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
                     skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
-                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks])
-        plan = self.rt.prompts.build(self._head(s), s.skill_ids, s.base_errata,
-                                     add_generation_prompt=False)
+                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks],
+                    tools=[t.openai() for t in tools.tools] if tools is not None else [])
+        tb = self.p.tool_prompt.block(tools) if tools is not None else None
+        if tb is not None:
+            check_block_size(tb, self.p.settings.max_skill_tokens)
+        plan, t_index = self.p.tool_prompt.build(self._head(s), s.skill_ids, s.base_errata, tb,
+                                                 add_generation_prompt=False)
         self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
         picks = [self.p.guard.seam_for(str(self.p.registry.block_key(ns, r.default_text)), b, seam_tokens)
                  for r, b in zip(records, blocks)]  # calibrated seams; a degraded skill runs in full
+        if t_index is not None:
+            kv, _, key = await self.p.tools_block(ns, list(tb.ids))
+            blocks.append(kv)
+            picks.append(self.p.guard.seam_for(str(key), kv, seam_tokens))
         mode = "full" if any(path == "full" for _, path in picks) else mode
         seam = [k or 0 for k, _ in picks]
         prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
@@ -92,9 +106,13 @@ class SessionManager:
         await self.saved.delete(s)
 
     # ---- turns -----------------------------------------------------------------------------
-    async def turn(self, ns: str, sid: str, user: str, fields: dict[str, str], gen: GenParams
-                   ) -> AsyncIterator[Delta | Final]:
+    async def turn(self, ns: str, sid: str, user: str | None, fields: dict[str, str], gen: GenParams,
+                   tool_choice: ToolChoice | None = None, parallel: bool | None = None,
+                   tool_results: list[dict] | None = None) -> AsyncIterator[Delta | Final]:
+        """`tool_results`: [{"tool_call_id", "content"}] answering every call of the last reply, before `user`."""
         self.p.check_request([], gen.max_tokens)
+        if user is None and not tool_results:
+            raise InvalidRequest("user: required unless the turn brings tool_results")
         s = await self.get(ns, sid)
         if s.lock.locked():
             raise SessionBusy(f"session {sid!r} is already running a turn; wait for it to finish")
@@ -103,15 +121,26 @@ class SessionManager:
             unknown = sorted(set(fields) - set(s.fields))
             if unknown:
                 raise InvalidField(f"unknown fields {unknown}; this session's skills declare {sorted(s.fields)}")
+            params = tools_params([Tool.from_openai(t) for t in s.tools], tool_choice, parallel)
             changed = self._changed(s, fields)
             tmpl = self.p.settings.erratum_template
             errata = [tmpl.format(field=f, value=v) for f, v in changed.items()]
-            content = "\n".join(errata) + "\n\n" + user if errata else user
-            messages = s.messages + [{"role": "user", "content": content}]
-            plan = self.rt.prompts.build(self._head(s) + messages, s.skill_ids, s.base_errata)
+            results = [{"role": "tool", "content": r["content"], "tool_call_id": r["tool_call_id"]}
+                       for r in tool_results or []]
+            messages = s.messages + results
+            link_results(messages, lambda i: f"tool_results.{i - len(s.messages)}", start=len(s.messages))
+            if user is not None or errata:
+                content = "\n".join(errata) + ("\n\n" + user if user is not None else "") if errata else user
+                messages.append({"role": "user", "content": content})
+            tb = self.p.tool_prompt.block(params) if params is not None else None
+            plan, t_index = self.p.tool_prompt.build(self._head(s) + messages, s.skill_ids, s.base_errata, tb)
+            tools = ToolsPrep.make(params, tb, t_index, self.p.tool_prompt.encode_template) if tb else None
+            if tools is not None:
+                self.p.tool_prompt.force(plan, tools.opening)
+                gen = tools.gen(gen)
             ids = plan.ids
-            self.rt.check_length(len(ids), gen.max_tokens, "full")
-            events = await self._run_turn(s, ids, gen)
+            self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens, "full")
+            events = await self._run_turn(s, ids, gen, tools)
             out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
@@ -119,7 +148,7 @@ class SessionManager:
             raise
         return out
 
-    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams):
+    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, tools: ToolsPrep | None):
         t0 = time.perf_counter()
         box: dict = {"ids": ids}
         cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
@@ -128,20 +157,26 @@ class SessionManager:
             box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused, recomputed=pre.n_recomputed)
 
         steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=self.p.settings.prefill_chunk_tokens)
-        job = self.p.engine.submit_sequence(steps, gen, len(ids), keep_cache=True, on_prefilled=on_prefilled)
+        n_prompt = len(ids)
+        if tools is not None:
+            steps, n_prompt = tools.steps(self.rt, steps), n_prompt + tools.extra_tokens()
+        job = self.p.engine.submit_sequence(steps, gen, n_prompt, keep_cache=True, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)
-        return first, stream, box, t0, job
+        events = _after(first, stream)
+        parser = tools.parser() if tools is not None else None
+        return (parsed(events, parser) if parser is not None else events), stream, box, t0, job, tools
 
-    async def _finish(self, s: Session, messages, fields, changed, errata, events) -> AsyncIterator[Delta | Final]:
-        item, stream, box, t0, job = events
+    async def _finish(self, s: Session, messages, fields, changed, errata, run) -> AsyncIterator[Delta | Final]:
+        events, stream, box, t0, job, tools = run
         try:
             yield None  # turn() starts us here: an async generator closed before it started runs no `finally`
-            while True:
+            async for item in events:
                 if isinstance(item, Done):
                     # the cache holds every forwarded token: the last sampled one may not be
                     s.cache = job.cache
-                    s.ids = (box["ids"] + item.token_ids)[: s.cache.get_seq_length()]
+                    tail = tools.tail_ids if tools is not None else []  # a tool chosen for `required`
+                    s.ids = (box["ids"] + tail + item.token_ids)[: s.cache.get_seq_length()]
                     s.messages = messages + [self._reply(item)]
                     s.fields.update(fields)
                     s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
@@ -157,10 +192,13 @@ class SessionManager:
                     if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
                         self._admit(s)
                         self.saved.save_later(s)
-                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits)
+                    report = None if tools is None else {
+                        "format": tools.block.fmt.name, "native": tools.block.native,
+                        "n_tokens": len(tools.block.ids), "source": "session"}
+                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits,
+                                report)
                     return
                 yield item
-                item = await anext(stream)
         finally:
             s.lock.release()
             await stream.aclose()  # a client gone mid-reply: stop generating now
@@ -176,6 +214,9 @@ class SessionManager:
         spell the returned text; otherwise (cut at a stop string, or special tokens the text leaves out) the text,
         re-tokenized as a client replaying the transcript would send it. The next turn then keeps the cache only
         up to where the two agree and prefills the rest, so the model never sees what the client did not."""
+        calls = tool_calls_of(done)
+        if calls:  # re-rendered from the calls: the template (or the fallback) writes them its way
+            return {"role": "assistant", "content": done.text, "tool_calls": [c.openai() for c in calls]}
         ids = [t for t in done.token_ids if t not in self.rt.eos_ids]
         if self.rt.tokenizer.decode(ids) == done.text:
             return {"role": "assistant", "content": done.text, "ids": ids}
@@ -221,3 +262,10 @@ class SessionManager:
         s = self.live.get(sid, s)  # a waiter before us may have admitted it already
         self._admit(s)
         return s
+
+
+async def _after(first, stream: AsyncIterator) -> AsyncIterator:
+    """`first`, then the rest of `stream`."""
+    yield first
+    async for item in stream:
+        yield item

@@ -30,9 +30,10 @@ class Session:
     skills: list[dict]  # [{"name", "version", "content_hash"}]
     system: str | None
     fields: dict[str, str]  # current values
-    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns so far
+    messages: list[dict] = field(default_factory=list)  # turns so far (OpenAI-shaped: tool_calls, tool results)
     base_errata: list[str] = field(default_factory=list)  # field values given at creation
     skill_ids: list[list[int]] = field(default_factory=list)  # each skill block's ids, as composed
+    tools: list[dict] = field(default_factory=list)  # OpenAI tool objects offered on every turn
     # per skill, the value of each field it declares as the prompt says it: its text, or the last erratum line
     # (skills may declare one field with different defaults)
     skill_fields: list[dict[str, str]] = field(default_factory=list)
@@ -53,14 +54,16 @@ class Session:
 
     def doc(self) -> dict:
         keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
-                "skill_fields", "ids", "created_at", "saved_at")
+                "skill_fields", "tools", "ids", "created_at", "saved_at")
         return {k: getattr(self, k) for k in keep}
 
     def public(self) -> dict:
-        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        return {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
-                "n_tokens": len(self.ids), "turns": sum(m["role"] == "user" for m in self.messages),
-                "created_at": self.created_at}
+        messages = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m}
+                    for m in self.messages]
+        out = {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
+               "n_tokens": len(self.ids), "turns": sum(m["role"] == "assistant" for m in self.messages),
+               "created_at": self.created_at}
+        return {**out, "tools": self.tools} if self.tools else out
 
 
 def valid_id(sid: str) -> bool:

@@ -75,6 +75,13 @@ def _bad(c, method: str, path: str, **kw) -> dict:
     return body["error"]
 
 
+_USER = [{"role": "user", "content": "x"}]
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 HOSTILE = [
     # (method, path, request kwargs, expected error type)
     ("POST", "/v1/skills", {"content": b'{"name": "x", "text": "\xff\xfe\xfd"}',
@@ -127,6 +134,21 @@ HOSTILE = [
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "x"}], "n": 5}},
      "invalid_request"),
     ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [{"type": "image"}]}]}},
+     "invalid_request"),
+    # tool calling: malformed specs, a choice nothing offers, fields the service does not honour, a lone call
+    ("POST", "/v1/chat/completions", {"json": {"messages": _USER, "tools": [{"type": "function"}]}},
+     "invalid_request"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": _USER, "tools": [_tool("bad name!")]}}, "invalid_request"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": _USER, "tools": [_tool("f")],
+                                               "tool_choice": {"type": "function", "function": {"name": "g"}}}},
+     "invalid_request"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": _USER, "tool_choice": "required"}}, "invalid_request"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": _USER, "logit_bias": {"1": 5}}}, "invalid_request"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *_USER]}},
+     "invalid_request"),  # a call nobody answered, then a user turn
+    ("POST", "/v1/compose", {"json": {"user": "hi", "tools": [_tool("f")], "tool_choice": "sometimes"}},
      "invalid_request"),
     ("POST", "/v1/sessions", {"json": {}}, "invalid_request"),  # nothing to cache
     ("POST", "/v1/sessions/../../x/turns", {"json": {"user": "x"}}, "not_found"),

@@ -7,11 +7,18 @@ from fastapi import APIRouter
 from service.api.deps import Namespace, Pipeline
 from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
 from service.api.sse import SSE_200, sse_response
+from service.api.tool_schemas import ToolFields, tools_params
 from service.compose.pipeline import ComposeParams, Final, SkillRef
 from service.runtime.params import Delta, GenParams
+from service.tools.events import tool_calls_of
+from service.tools.parser import CallEvent
 
 router = APIRouter(prefix="/v1", tags=["compose"])
 _ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
+
+
+class ComposeToolsRequest(ComposeRequest, ToolFields):
+    """The compose body with tool calling's fields (they live beside the tool schemas, which need Strict)."""
 
 
 def gen_params(body, logprobs: int | None = None) -> GenParams:
@@ -19,7 +26,7 @@ def gen_params(body, logprobs: int | None = None) -> GenParams:
     return GenParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop, logprobs)
 
 
-def _params(body: ComposeRequest, ns: str) -> ComposeParams:
+def _params(body: ComposeToolsRequest, ns: str) -> ComposeParams:
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
         {"role": "user", "content": body.user}
@@ -27,6 +34,7 @@ def _params(body: ComposeRequest, ns: str) -> ComposeParams:
     return ComposeParams(
         skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, body.logprobs),
         mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens, edit_mode=body.edit_mode, namespace=ns,
+        tools=tools_params(body.tools, body.tool_choice, body.parallel_tool_calls),
     )
 
 
@@ -39,6 +47,9 @@ def _final_json(final: Final, text: str | None = None) -> dict:
         out = {"text": text, **out}
     if final.done.top_logprobs is not None:
         out["logprobs"] = [{"token": t, "logprob": lp} for t, lp in final.done.top_logprobs]
+    if final.tools is not None:
+        out["tool_calls"] = [c.openai() for c in tool_calls_of(final.done)]
+        out["tools"] = final.tools
     return out
 
 
@@ -49,6 +60,8 @@ async def respond(events, stream: bool, extra: dict | None = None):
         def to_json(ev):
             if isinstance(ev, Delta):
                 return [{"type": "delta", "text": ev.text}]
+            if isinstance(ev, CallEvent):
+                return [{"type": "tool_call", "index": ev.index, "tool_call": ev.call.openai()}]
             return [{"type": "done", **_final_json(ev), **extra}]
 
         return sse_response(events, to_json)
@@ -59,6 +72,6 @@ async def respond(events, stream: bool, extra: dict | None = None):
 
 
 @router.post("/compose", response_model=ComposeResponse, responses={**_ERRORS, **SSE_200})
-async def compose(body: ComposeRequest, pipeline: Pipeline, ns: Namespace):
+async def compose(body: ComposeToolsRequest, pipeline: Pipeline, ns: Namespace):
     prep = await pipeline.prepare(_params(body, ns))
     return await respond(await pipeline.start(prep), body.stream)

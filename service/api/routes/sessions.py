@@ -11,7 +11,9 @@ from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
 from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Strict, Text
 from service.api.sse import SSE_200
+from service.api.tool_schemas import CallId, ToolChoiceIn, ToolIn, tool_choice, tool_specs
 from service.compose.pipeline import SkillRef
+from service.tools.spec import MAX_TOOLS, tools_params
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 _ERRORS = {c: {"model": ErrorResponse} for c in (404, 409, 413, 422, 429, 503)}
@@ -24,25 +26,38 @@ class SessionCreate(Strict):
     fields: FieldValues | None = Field(None, max_length=256)
     mode: Literal["compose", "full"] = "compose"
     seam_tokens: SeamTokens = None
+    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS, description="offered on every turn")
+
+
+class ToolResultIn(Strict):
+    tool_call_id: CallId
+    content: Text
 
 
 class TurnRequest(GenerationIn):
-    user: Text = Field(min_length=1)
+    user: Text | None = Field(None, min_length=1, description="required unless the turn brings tool_results")
     fields: FieldValues | None = Field(None, max_length=256)
     logprobs: int | None = Field(None, ge=1, le=20)
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    tool_results: list[ToolResultIn] | None = Field(None, max_length=MAX_TOOLS,
+                                                    description="answers to every tool call of the last reply")
 
 
 @router.post("", status_code=201, responses=_ERRORS)
 async def create_session(body: SessionCreate, sessions: Sessions, ns: Namespace) -> dict:
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
     s, usage = await sessions.create(ns, refs, body.system, dict(body.fields or {}), body.mode,
-                                      None if body.seam_tokens == "auto" else body.seam_tokens)
+                                      None if body.seam_tokens == "auto" else body.seam_tokens,
+                                      tools_params(tool_specs(body.tools), None, None))
     return {**s.public(), "usage": usage}
 
 
 @router.post("/{sid}/turns", responses={**_ERRORS, **SSE_200})
 async def run_turn(sid: str, body: TurnRequest, sessions: Sessions, ns: Namespace):
-    events = await sessions.turn(ns, sid, body.user, dict(body.fields or {}), gen_params(body, body.logprobs))
+    results = [r.model_dump() for r in body.tool_results or []]
+    events = await sessions.turn(ns, sid, body.user, dict(body.fields or {}), gen_params(body, body.logprobs),
+                                 tool_choice(body.tool_choice), body.parallel_tool_calls, results)
     return await respond(events, body.stream, {"session": sid})
 
 
