@@ -229,6 +229,23 @@ async def test_a_short_prompt_is_not_held_behind_a_long_prefill(rt):
     assert order == ["short", "long"]
 
 
+async def test_requests_arriving_together_prefill_oldest_first(rt, monkeypatch):
+    """Prompts that fit one step's budget are prefilled one after another in arrival order, not interleaved chunk
+    by chunk: the oldest gets its first token when its own prefill ends, not when all of theirs have."""
+    eng = await _engine(rt, step_token_budget=512)
+    caches = []
+    real_forward = rt.forward
+    monkeypatch.setattr(rt, "forward", lambda ids, start, cache: caches.append(id(cache))
+                        or real_forward(ids, start, cache))
+    try:
+        jobs = [_submit(eng, rt, random_ids(40, seed=10 + i), GenParams(max_tokens=1), chunk=8) for i in range(4)]
+        await asyncio.gather(*(_collect(j) for j in jobs))
+    finally:
+        eng.stop()
+    runs = [c for i, c in enumerate(caches) if i == 0 or caches[i - 1] != c]
+    assert len(caches) >= 20 and len(runs) == 4, runs  # 5 chunks each, one request's chunks after another's
+
+
 def test_background_work_runs_lowest_priority_first():
     """Calibrations before refinements (by expected benefit), shadow checks last."""
     from service.runtime.serving.scheduler import Scheduler

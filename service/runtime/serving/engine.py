@@ -178,14 +178,21 @@ class ServingEngine:
             return 0
 
     def _prefill(self, budget: int) -> None:
-        """Live prefill steps within `budget` tokens, round robin over admitted work in arrival order: a short
-        request (a composed prompt's few text tokens) finishes in this step even behind a long prefill."""
-        spent = 0
+        """Live prefill within `budget` tokens, over admitted work in arrival order, each taking at most half the
+        budget per pass: the oldest request finishes first (its first token comes out as soon as its own prefill
+        ends, not when every request's has), while a short request (a composed prompt's few text tokens) still
+        finishes in this step behind a long prefill, which goes on in chunks."""
+        spent, share = 0, max(1, budget // 2)
         while spent < budget and self.sched.active:
             for w in list(self.sched.active):
-                spent += max(1, self._advance(w))  # every step counts: no pass of zero-token steps loops
-                if isinstance(w, Call):
-                    spent = budget  # a closure runs alone: it may take any time
+                took = 0
+                while not w.finished and not (w.is_sequence and w.prefill is not None):
+                    n = max(1, self._advance(w))  # every step counts: no pass of zero-token steps loops
+                    took, spent = took + n, spent + n
+                    if isinstance(w, Call):
+                        spent = budget  # a closure runs alone: it may take any time
+                    if took >= share or spent >= budget:
+                        break
                 if w.finished:
                     self.sched.active.remove(w)
                 elif w.is_sequence and w.prefill is not None:
