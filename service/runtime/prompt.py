@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 _SENTINEL = "\x00{}\x00"
 _SENTINEL_RE = re.compile("\x00(\\d+)\x00")
 BLOCK_JOINER = "\n\n"  # between the system text, skill blocks and errata in the system turn
+LATE_JOINER = "\n"  # between late blocks (a memory split into blocks of whole lines reads as one document)
 
 
 @dataclass
@@ -35,6 +36,8 @@ class PromptPlan:
     segments: list[Segment] = field(default_factory=list)
     head_end: int | None = None  # where the conversation's first message starts: ids[:head_end] is the head
     # (template opening, skills, system text, errata), the same for every request that shares them
+    late_span: tuple[int, int] | None = None  # [start, end): late blocks (a memory) and their lines at the head of
+    # the last user turn; ids[end:] is that turn's own content on (build(late_ids=...))
 
     @property
     def ids(self) -> list[int]:
@@ -92,11 +95,17 @@ class PromptBuilder:
         skill_ids: list[list[int]],
         errata: list[str] | None = None,
         add_generation_prompt: bool = True,
+        late_ids: list[list[int]] | None = None,
+        late_lines: list[str] | None = None,
     ) -> PromptPlan:
         """Lay skills, then the system text, then errata lines into the system turn and render the conversation.
 
         `messages`: OpenAI-style [{"role", "content", "ids"?}], an optional leading system message.
         `skill_ids`: each skill's precompiled token ids, in request order.
+        `late_ids`: blocks placed late, at the head of the last message (a user turn): each block's ids (segments of
+        kind "skill", skill_index len(skill_ids) + j), joined by LATE_JOINER, then `late_lines` (one a line), then
+        BLOCK_JOINER and the message's own content. plan.late_span covers them, so the turn's content and what follows
+        render to the same ids as without them (a session's memory, service/memory/).
         """
         pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
 
@@ -113,6 +122,16 @@ class PromptBuilder:
         # so the transcript re-renders to the very tokens already cached
         body = [{"role": m["role"], "content": sentinel("ids", m["ids"]) if m.get("ids") is not None
                  else sentinel("content", m["content"])} for m in msgs]
+        late_first = late_own = None  # sentinel indexes: the first late block, the late turn's own content
+        if late_ids:
+            if not body or body[-1]["role"] != "user":
+                raise ValueError("late blocks go at the head of the last message, which must be a user turn")
+            late_own = int(_SENTINEL_RE.findall(body[-1]["content"])[0])
+            late_first = len(pieces)
+            late = [sentinel("skill", len(skill_ids) + j) for j in range(len(late_ids))]
+            lines = [sentinel("content", "\n".join(late_lines))] if late_lines else []
+            body[-1]["content"] = BLOCK_JOINER.join([LATE_JOINER.join(late), *lines, body[-1]["content"]])
+        blocks_ids = list(skill_ids) + list(late_ids) if late_ids else skill_ids
         rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt)
 
         plan = PromptPlan()
@@ -121,9 +140,13 @@ class PromptBuilder:
             self._add_text(plan, rendered[cursor : match.start()])
             if int(match.group(1)) == n_head and plan.head_end is None:
                 plan.head_end = plan.n_tokens
+            if int(match.group(1)) == late_first:
+                late_start = plan.n_tokens
+            if int(match.group(1)) == late_own:
+                plan.late_span = (late_start, plan.n_tokens)
             kind, value = pieces[int(match.group(1))]
             if kind == "skill":
-                plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))
+                plan.segments.append(Segment("skill", list(blocks_ids[value]), skill_index=value))
             elif kind == "ids":
                 self._add_ids(plan, value)
             else:
