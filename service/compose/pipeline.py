@@ -44,6 +44,7 @@ class ComposeParams:
     seam_tokens: int | None = None
     edit_mode: str = "erratum"
     namespace: str = "default"
+    late: object = None  # blocks placed late, at the head of the user turn: a memory (service/memory/registry.py)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Final:
     timings: dict
     skills: list[dict]
     edits: list[dict]
+    memory: dict | None = None  # the late blocks' report (LateMemory.report), when the request had them
 
 
 class ComposePipeline:
@@ -136,9 +138,12 @@ class ComposePipeline:
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
         skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
         errata = [line for e in edits for line in e.errata]
-        plan = self.rt.prompts.build(p.messages, skill_ids, errata=errata)
+        if p.late is not None:  # a memory: its blocks follow the skills', with their own seams
+            blocks, seams = blocks + p.late.blocks, seams + [(k, "compose") for k in p.late.seams]
+        plan = self.rt.prompts.build(p.messages, skill_ids, errata=errata, late_ids=p.late and p.late.ids,
+                                     late_lines=p.late and p.late.lines)
         for seg in plan.segments:
-            if seg.kind == "skill":
+            if seg.kind == "skill" and seg.skill_index < len(edits):  # a late block is never edited in place here
                 seg.recompute = list(edits[seg.skill_index].recompute)
         mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
         self.rt.check_length(plan.n_tokens, p.gen.max_tokens, mode)
@@ -169,7 +174,8 @@ class ComposePipeline:
             if isinstance(item, Done):
                 yield self._final(prep, item, box, mode)
                 if mode == "compose":  # after the response: never on the sampled request's clock
-                    self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
+                    if prep.params.late is None:  # a shadow check is the skills': a memory's is bench/memory.py
+                        self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
                     self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
                 return
             yield item
@@ -201,5 +207,7 @@ class ComposePipeline:
              "seam": pre.seams.get(i)}
             for i, (r, s, path) in enumerate(zip(prep.records, prep.sources, prep.paths))
         ]
-        return Final(done, usage, timings, skills, prep.edits)
+        late = prep.params.late
+        return Final(done, usage, timings, skills, prep.edits,
+                     late.report(pre.seams, len(prep.records)) if late is not None else None)
 

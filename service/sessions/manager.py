@@ -17,6 +17,7 @@ from service import metrics
 from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.compose.pipeline import ComposePipeline, Final, SkillRef
+from service.runtime.late import late_turn_steps
 from service.runtime.params import Delta, Done, GenParams
 from service.sessions.saved import SavedSessions, Session
 
@@ -24,9 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class SessionManager:
-    def __init__(self, pipeline: ComposePipeline) -> None:
+    def __init__(self, pipeline: ComposePipeline, memories=None) -> None:
         self.p = pipeline
         self.rt = pipeline.rt
+        self.memories = memories  # MemoryRegistry: a session may float a memory before each user turn
         st = pipeline.settings
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
@@ -35,7 +37,8 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
-                     mode: str = "compose", seam_tokens: int | None = None) -> tuple[Session, dict]:
+                     mode: str = "compose", seam_tokens: int | None = None, memory: str | None = None,
+                     memory_seam_tokens: int | None = None) -> tuple[Session, dict]:
         if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
             raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
                                 "delete some first")
@@ -46,6 +49,8 @@ class SessionManager:
         if len({r.name for r in records}) != len(records):
             raise InvalidRequest("a skill may appear only once per session")
         check_fields(records, fields)
+        if memory is not None:  # it exists, and its blocks are compiled before the first turn
+            await self.memories.resolve(ns, memory, memory_seam_tokens)
         tmpl = self.p.settings.erratum_template
         edits = [plan_edit(self.rt.prompts, r, fields, "erratum", tmpl) for r in records]
         blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
@@ -53,7 +58,8 @@ class SessionManager:
                     skills=[{"name": r.name, "version": r.version, "content_hash": r.content_hash} for r in records],
                     fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
                     skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
-                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks])
+                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks],
+                    memory=memory, memory_seam_tokens=memory_seam_tokens)
         plan = self.rt.prompts.build(self._head(s), s.skill_ids, s.base_errata,
                                      add_generation_prompt=False)
         self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
@@ -108,10 +114,12 @@ class SessionManager:
             errata = [tmpl.format(field=f, value=v) for f, v in changed.items()]
             content = "\n".join(errata) + "\n\n" + user if errata else user
             messages = s.messages + [{"role": "user", "content": content}]
-            plan = self.rt.prompts.build(self._head(s) + messages, s.skill_ids, s.base_errata)
+            late = await self.memories.resolve(ns, s.memory, s.memory_seam_tokens) if s.memory else None
+            plan = self.rt.prompts.build(self._head(s) + messages, s.skill_ids, s.base_errata,
+                                         late_ids=late and late.ids, late_lines=late and late.lines)
             ids = plan.ids
-            self.rt.check_length(len(ids), gen.max_tokens, "full")
-            events = await self._run_turn(s, ids, gen)
+            self.rt.check_length(len(ids), gen.max_tokens, "compose" if late else "full")
+            events = await self._run_turn(s, ids, gen, (plan, late) if late else None)
             out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
@@ -119,15 +127,21 @@ class SessionManager:
             raise
         return out
 
-    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams):
+    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, late=None):
+        """`late`: (plan, LateMemory) when the session floats a memory before the user turn."""
         t0 = time.perf_counter()
-        box: dict = {"ids": ids}
+        box: dict = {"ids": ids, "late": late}
         cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
 
         def on_prefilled(pre) -> None:  # on the engine
-            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused, recomputed=pre.n_recomputed)
+            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused + pre.n_prefix,
+                       recomputed=pre.n_recomputed, composed=pre.n_reused if late else 0, seams=pre.seams)
 
-        steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=self.p.settings.prefill_chunk_tokens)
+        chunk = self.p.settings.prefill_chunk_tokens
+        if late is not None:
+            steps = late_turn_steps(self.rt, s.cache, cached_ids, late[0], late[1].blocks, late[1].seams, chunk)
+        else:
+            steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=chunk)
         job = self.p.engine.submit_sequence(steps, gen, len(ids), keep_cache=True, on_prefilled=on_prefilled)
         stream = job.stream()
         first = await anext(stream)
@@ -141,13 +155,16 @@ class SessionManager:
                 if isinstance(item, Done):
                     # the cache holds every forwarded token: the last sampled one may not be
                     s.cache = job.cache
-                    s.ids = (box["ids"] + item.token_ids)[: s.cache.get_seq_length()]
+                    ids = box["ids"] + item.token_ids
+                    if box["late"] is not None:  # the memory leaves the conversation's cache: floated again next turn
+                        ids = await self.memories.leave(s.cache, ids, box["late"][0].late_span)
+                    s.ids = ids[: s.cache.get_seq_length()]
                     s.messages = messages + [self._reply(item)]
                     s.fields.update(fields)
                     s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
                                       for said in s.skill_fields]  # an erratum names no skill: all read it
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
-                             "composed_tokens": 0, "prefix_tokens": box["reused"],
+                             "composed_tokens": box["composed"], "prefix_tokens": box["reused"] - box["composed"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
                     metrics.TOKENS.labels("prefix").inc(box["reused"])
                     metrics.TOKENS.labels("recomputed").inc(box["recomputed"])
@@ -157,7 +174,8 @@ class SessionManager:
                     if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
                         self._admit(s)
                         self.saved.save_later(s)
-                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits)
+                    memory = box["late"][1].report(box["seams"], len(s.skill_ids)) if box["late"] else None
+                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits, memory)
                     return
                 yield item
                 item = await anext(stream)

@@ -9,7 +9,8 @@ from pydantic import Field, StringConstraints
 
 from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
-from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Strict, Text
+from service.api.schemas import (ErrorResponse, GenerationIn, MemoryName, MemorySeam, SeamTokens, SkillName,
+                                 SkillRefIn, Strict, Text)
 from service.api.sse import SSE_200
 from service.compose.pipeline import SkillRef
 
@@ -24,6 +25,8 @@ class SessionCreate(Strict):
     fields: FieldValues | None = Field(None, max_length=256)
     mode: Literal["compose", "full"] = "compose"
     seam_tokens: SeamTokens = None
+    memory: MemoryName | None = None  # floated before every user turn (service/memory/)
+    memory_seam_tokens: MemorySeam = None
 
 
 class TurnRequest(GenerationIn):
@@ -36,7 +39,8 @@ class TurnRequest(GenerationIn):
 async def create_session(body: SessionCreate, sessions: Sessions, ns: Namespace) -> dict:
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
     s, usage = await sessions.create(ns, refs, body.system, dict(body.fields or {}), body.mode,
-                                      None if body.seam_tokens == "auto" else body.seam_tokens)
+                                      None if body.seam_tokens == "auto" else body.seam_tokens, body.memory,
+                                      body.memory_seam_tokens)
     return {**s.public(), "usage": usage}
 
 
