@@ -114,12 +114,13 @@ class SessionManager:
             errata = [tmpl.format(field=f, value=v) for f, v in changed.items()]
             content = "\n".join(errata) + "\n\n" + user if errata else user
             messages = s.messages + [{"role": "user", "content": content}]
+            t0 = time.perf_counter()  # the turn's clock: finding the memory's blocks is part of its first token
             late = await self.memories.resolve(ns, s.memory, s.memory_seam_tokens) if s.memory else None
             plan = self.rt.prompts.build(self._head(s) + messages, s.skill_ids, s.base_errata,
                                          late_ids=late and late.ids, late_lines=late and late.lines)
             ids = plan.ids
             self.rt.check_length(len(ids), gen.max_tokens, "compose" if late else "full")
-            events = await self._run_turn(s, ids, gen, (plan, late) if late else None)
+            events = await self._run_turn(s, ids, gen, (plan, late) if late else None, t0)
             out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
@@ -127,10 +128,10 @@ class SessionManager:
             raise
         return out
 
-    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, late=None):
+    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, late=None, t0: float | None = None):
         """`late`: (plan, LateMemory) when the session floats a memory before the user turn."""
-        t0 = time.perf_counter()
-        box: dict = {"ids": ids, "late": late}
+        t0 = time.perf_counter() if t0 is None else t0
+        box: dict = {"ids": ids, "late": late, "store_ms": (time.perf_counter() - t0) * 1e3}
         cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
 
         def on_prefilled(pre) -> None:  # on the engine
@@ -166,10 +167,12 @@ class SessionManager:
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
                              "composed_tokens": box["composed"], "prefix_tokens": box["reused"] - box["composed"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
-                    metrics.TOKENS.labels("prefix").inc(box["reused"])
+                    metrics.TOKENS.labels("prefix").inc(box["reused"] - box["composed"])
+                    metrics.TOKENS.labels("composed").inc(box["composed"])
                     metrics.TOKENS.labels("recomputed").inc(box["recomputed"])
                     timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
-                               "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
+                               "store_ms": round(box["store_ms"], 2),
+                               "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
                     edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
                     if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
                         self._admit(s)

@@ -61,8 +61,8 @@ class Session:
     def public(self) -> dict:
         messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
         return {"id": self.id, "skills": self.skills, "memory": self.memory, "fields": self.fields,
-                "messages": messages, "n_tokens": len(self.ids), "turns": sum(m["role"] == "user" for m in self.messages),
-                "created_at": self.created_at}
+                "messages": messages, "n_tokens": len(self.ids),
+                "turns": sum(m["role"] == "user" for m in self.messages), "created_at": self.created_at}
 
 
 def valid_id(sid: str) -> bool:

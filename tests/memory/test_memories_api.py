@@ -185,3 +185,25 @@ def test_compose_with_a_memory_and_the_session_resumed_elsewhere(tmp_path):
         c2.delete("/v1/memories/ada")
         _err(c2.post(f"/v1/sessions/{sid}/turns", json={"user": "and now?", "max_tokens": 2}), 404,
              "memory_not_found")
+
+
+def test_a_memory_turn_counts_its_tokens_once_by_kind(app):
+    """The copied memory is `composed`, the conversation's own cache `prefix`: not both counted as prefix."""
+    from service import metrics
+
+    def counts() -> dict[str, float]:
+        return {k: metrics.TOKENS.labels(k)._value.get() for k in ("prefix", "composed", "recomputed")}
+
+    app.post("/v1/memories", json={"name": "ada", "text": MEM})
+    sid = app.post("/v1/sessions", json={"skills": ["policy"], "memory": "ada"}).json()["id"]
+    app.post(f"/v1/sessions/{sid}/turns", json={"user": "Refund now?", "max_tokens": 4})
+    before = counts()
+    body = app.post(f"/v1/sessions/{sid}/turns", json={"user": "And now?", "max_tokens": 4}).json()
+    after = counts()
+    u = body["usage"]
+    assert u["composed_tokens"] > 0 and u["prefix_tokens"] > 0
+    assert after["prefix"] - before["prefix"] == u["prefix_tokens"]
+    assert after["composed"] - before["composed"] == u["composed_tokens"]
+    assert after["recomputed"] - before["recomputed"] == u["recomputed_tokens"]
+    t = body["timings"]
+    assert 0 < t["store_ms"] <= t["ttft_ms"] <= t["total_ms"]  # finding the memory's blocks is part of the turn
