@@ -104,8 +104,8 @@ async def texts(url: str, n: int) -> list[str]:
 
 def run(args) -> dict:
     arms = {"batched": (ROOT, {}), "serial": (ROOT, {"SKILLCACHE_MAX_RUNNING_SEQS": "1"})}
-    if args.baseline_src:
-        arms["before"] = (Path(args.baseline_src), {})
+    if args.baseline_src:  # its own converted-model cache: an older loader names (and prunes) conversions otherwise
+        arms["before"] = (Path(args.baseline_src), {"SKILLCACHE_MODEL_CACHE": str(Path(args.baseline_src) / ".models")})
     results: dict = {"arms": {}, "agree": None}
     serial_texts = batched_texts = None
     for name, (root, env) in arms.items():

@@ -214,10 +214,12 @@ class Workload:
                 "mode": "full" if arm == "full" else "compose"}, None
 
 
-async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None, t_sched: float) -> dict:
-    """Send one request at once; times are measured from t_sched (its scheduled arrival)."""
+async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None, t_sched: float,
+              first_token: asyncio.Event | None = None) -> dict:
+    """Send one request at once; times are measured from t_sched (its scheduled arrival). first_token, when
+    given, is set as the first token arrives (bench/peers.py sends a request during another's decode)."""
     rec: dict = {"t_sched": t_sched, "status": None, "error": None, "ttft_s": None, "e2e_s": None,
-                 "ttft_from_done": False}
+                 "ttft_from_done": False, "text": ""}
     try:
         if register_first:  # in_place via skill: a new version of the edited policy, compiled on first use
             r = await client.post("/v1/skills", params={"compile": "false"}, json=register_first)
@@ -238,8 +240,10 @@ async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None
                     break
                 ev = json.loads(data)
                 now = time.perf_counter()
-                if ev["type"] == "delta" and rec["ttft_s"] is None:
-                    rec["ttft_s"] = now - t_sched
+                if ev["type"] == "delta":
+                    rec["text"] += ev["text"]
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = now - t_sched
                 elif ev["type"] == "done":
                     if rec["ttft_s"] is None:
                         rec["ttft_s"], rec["ttft_from_done"] = now - t_sched, True
@@ -247,6 +251,8 @@ async def one(client: httpx.AsyncClient, body: dict, register_first: dict | None
                     rec["sources"] = [s.get("source") for s in ev.get("skills") or []]
                 elif ev["type"] == "error":
                     rec["error"] = (ev.get("error") or {}).get("type", "stream_error")
+                if first_token is not None and rec["ttft_s"] is not None:
+                    first_token.set()
             rec["e2e_s"] = time.perf_counter() - t_sched
             if rec["error"] is None and "usage" not in rec:
                 rec["error"] = "no_done_event"

@@ -59,7 +59,8 @@ def compare(rt, plan, blocks, seam_tokens, n_greedy: int = 0, tie_margin: float 
     a, b = comp.logits.float(), full.logits.float()
     p = torch.softmax(b, -1).topk(2).values
     out = {"cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)), "top1": bool(a.argmax() == b.argmax()),
-           "decisive": float(p[0] - p[1]) >= tie_margin, "kl": kl(a, b), "n_prompt": plan.n_tokens,
+           "decisive": float(p[0] - p[1]) >= tie_margin, "kl": kl(a, b), "top_token": int(b.argmax()),
+           "n_prompt": plan.n_tokens,
            "n_reused": comp.n_reused}
     if n_greedy:
         g_comp, g_full = greedy(rt, comp, n_greedy), greedy(rt, full, n_greedy)

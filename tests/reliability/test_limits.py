@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ADMIN, OTHER, USER, app_client, bearer, write_keys
+from conftest import ADMIN, OTHER, USER, ServiceProcess, app_client, bearer, sse_events, write_keys
 from service.api.auth import RateLimiter
 
 TEXT = "Refunds are allowed within 30 days of delivery when the item is unused."
@@ -142,3 +142,50 @@ def test_sigterm_waits_a_bounded_time_for_open_streams(monkeypatch, tmp_path):
     entry.main()
     assert seen["timeout_graceful_shutdown"] == 7.5 and seen["port"] == 18999
     assert seen["proxy_headers"] is False  # X-Forwarded-For from loopback must not pick the rate-limit bucket
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_running_sequences(tmp_path):
+    """On SIGTERM the engine keeps stepping the batch: every stream that was decoding ends with its done event
+    and [DONE] within the grace period, and the process exits cleanly."""
+    import signal
+
+    import httpx
+
+
+    svc = ServiceProcess(tmp_path / "home", SKILLCACHE_SHUTDOWN_GRACE_S="120")
+    svc.start()
+    try:
+        svc.wait_ready()
+        assert httpx.post(f"{svc.url}/v1/skills", json={"name": "a", "text": TEXT}, timeout=60).status_code == 201
+        started = threading.Barrier(4)
+        results: list[list] = []
+
+        def stream(i: int) -> None:
+            with httpx.Client(timeout=120) as h, h.stream("POST", f"{svc.url}/v1/compose", json={
+                    "skills": ["a"], "user": f"Explain the rule, reader {i}.", "max_tokens": 24, "stream": True}) as r:
+                lines = r.iter_lines()
+                first = []
+                for line in lines:
+                    first.append(line)
+                    if '"delta"' in line or '"done"' in line:
+                        break
+                started.wait(60)
+                results.append(sse_events(first + list(lines)))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        started.wait(120)  # all three are decoding
+        svc.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 3
+        for events in results:
+            assert events[-1] == "[DONE]" and events[-2]["type"] == "done", events[-3:]
+        # uvicorn re-raises the signal once it has shut down: the exit status says SIGTERM, after a clean shutdown
+        assert svc.proc.wait(60) in (0, -signal.SIGTERM) and time.monotonic() - t0 < 120
+        assert "Application shutdown complete" in svc.log_tail(20000)
+    finally:
+        svc.stop()
