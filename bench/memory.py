@@ -139,7 +139,8 @@ def main() -> None:
             rows.append({
                 "turn": t + 1, "edit": step["edit"] and step["edit"]["mode"], "edit_report": edit_report,
                 "prompt_tokens": plan.n_tokens, "conversation_tokens": plan.late_span[0],
-                "ours_ttft_ms": r["timings"]["ttft_ms"], "ours_edit_ms": edit_ms,
+                "ours_ttft_ms": r["timings"]["ttft_ms"], "ours_store_ms": r["timings"]["store_ms"],
+                "ours_edit_ms": edit_ms, "ours_memory_sources": [b["source"] for b in r["memory"]["blocks"]],
                 "ours_recomputed": r["usage"]["recomputed_tokens"], "full_ttft_ms": full_ms,
                 "full_recomputed": plan.n_tokens, "early_ttft_ms": early_ms, "early_recomputed": pre.n_recomputed,
                 "cosine": ours["cosine"], "top1": ours["top1_agree"], "decisive": ours["decisive"], "kl": ours["kl"],
