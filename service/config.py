@@ -63,6 +63,15 @@ class Settings(BaseSettings):
         "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."
     )
 
+    # user memories (service/memory/): placed late, before the user turn, re-rotated there with a seam
+    memory_seam_tokens: int = Field(1, ge=0, description="first tokens of each memory block recomputed in context "
+                                    "(the paper's memory agent: 1)")
+    max_memory_tokens: int = Field(16384, ge=1, description="tokens of one memory, all its blocks together")
+    memory_erratum_template: str = (
+        "[MEMORY UPDATE] {label} has changed to {value}; this overrides any earlier value AND any earlier "
+        "conclusion. Apply the current value."
+    )
+
     # sessions: live KV bounded in bytes and idle time; persisted to the store for other replicas
     session_max_bytes: int = 2 * 1024**3
     session_ttl_s: float = 3600.0

@@ -34,6 +34,20 @@ class SessionNotFound(ServiceError):
     status, error_type = 404, "session_not_found"
 
 
+class MemoryNotFound(ServiceError):
+    status, error_type = 404, "memory_not_found"
+
+
+class InvalidMemory(ServiceError):
+    """A memory text or edit that cannot apply: a label given twice, an unknown label, a value on several lines."""
+
+    status, error_type = 422, "invalid_memory"
+
+
+class MemoryConflict(ServiceError):
+    status, error_type = 409, "memory_conflict"
+
+
 class SessionBusy(ServiceError):
     status, error_type = 409, "session_busy"
 

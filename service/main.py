@@ -13,7 +13,7 @@ from service import __version__
 from service.api.auth import Authenticator, authenticate
 from service.api.errors import install_error_handlers
 from service.api.limits import BodyLimitMiddleware
-from service.api.routes import chat, compose, health, sessions, skills
+from service.api.routes import chat, compose, health, memories, sessions, skills
 from service.api.routes.playground import install_playground
 from service.config import Settings
 from service.api.schemas import ErrorResponse
@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     app.include_router(health.router)  # /livez, /readyz, /metrics: open
     install_playground(app)  # /ui: static files, open (they hold no data; the page calls /v1 with its key)
     auth_errors = {c: {"model": ErrorResponse} for c in (401, 403, 429)}
-    for r in (skills.router, compose.router, sessions.router, chat.router):  # every /v1 route needs a key
+    for r in (skills.router, compose.router, sessions.router, chat.router, memories.router):  # every /v1 route needs a key
         app.include_router(r, dependencies=[Depends(authenticate)], responses=auth_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

@@ -11,6 +11,7 @@ from typing import Any
 from service.config import Settings
 from service.errors import NotReady, ServiceError
 from service.compose.pipeline import ComposePipeline
+from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
 from service.runtime.serving import EngineConfig, ServingEngine
 from service.sessions.manager import SessionManager
@@ -38,6 +39,7 @@ class AppState:
         self.registry: SkillRegistry | None = None
         self.pipeline: ComposePipeline | None = None
         self.sessions: SessionManager | None = None
+        self.memories = None  # MemoryRegistry (service/memory/), once the model is loaded
         self.selfcheck: dict | None = None
         self.load_error: str | None = None
         self.preload: dict[str, Any] = {}
@@ -72,7 +74,8 @@ class AppState:
                 self.settings.max_skill_tokens, rt.max_positions,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.engine)
-            self.sessions = SessionManager(self.pipeline)
+            self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine)
+            self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()
             await self._preload_skills()
             self._ready = True
@@ -110,6 +113,10 @@ class AppState:
     def require_sessions(self) -> SessionManager:
         self.require_pipeline()
         return self.sessions
+
+    def require_memories(self):
+        self.require_pipeline()
+        return self.memories
 
     def require_pipeline(self) -> ComposePipeline:
         if self.pipeline is None:

@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from service.api.auth import Principal, authenticate
 from service.compose.pipeline import ComposePipeline
+from service.memory.registry import MemoryRegistry
 from service.sessions.manager import SessionManager
 from service.state import AppState
 
@@ -24,6 +25,10 @@ def get_sessions(state: Annotated[AppState, Depends(get_state)]) -> SessionManag
     return state.require_sessions()
 
 
+def get_memories(state: Annotated[AppState, Depends(get_state)]) -> MemoryRegistry:
+    return state.require_memories()
+
+
 def get_namespace(principal: Annotated[Principal, Depends(authenticate)]) -> str:
     """The caller's namespace: the API key's, or "default" when auth is off (service/api/auth.py)."""
     return principal.namespace
@@ -33,3 +38,4 @@ State = Annotated[AppState, Depends(get_state)]
 Pipeline = Annotated[ComposePipeline, Depends(get_pipeline)]
 Namespace = Annotated[str, Depends(get_namespace)]
 Sessions = Annotated[SessionManager, Depends(get_sessions)]
+Memories = Annotated[MemoryRegistry, Depends(get_memories)]

@@ -15,6 +15,8 @@ Text = Annotated[str, StringConstraints(max_length=1_000_000)]
 
 # a number of tokens, or "auto" (omitted means the same): each skill's calibrated seam
 SeamTokens = Annotated[int, Field(ge=0, le=4096)] | Literal["auto"] | None
+MemoryName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]  # user memories: service/memory/
+MemorySeam = Annotated[int, Field(ge=0, le=4096)] | None  # None: SKILLCACHE_MEMORY_SEAM_TOKENS
 
 
 class Strict(BaseModel):
@@ -92,6 +94,9 @@ class ComposeRequest(GenerationIn):
     seam_tokens: SeamTokens = None
     logprobs: int | None = Field(None, ge=1, le=20)
     edit_mode: Literal["erratum", "field+erratum", "in_place", "recompile"] = "erratum"
+    memory: MemoryName | None = Field(None, description="a memory of this tenant, placed after the system turn, "
+                                      "before the user text")
+    memory_seam_tokens: MemorySeam = None
 
 
 class Usage(BaseModel):
@@ -154,3 +159,70 @@ class ComposeResponse(BaseModel):
     logprobs: list[TopLogprob] | None = None
     tool_calls: list[ToolCallOut] | None = None  # when the request offered tools
     tools: ToolsUse | None = None
+    memory: dict[str, Any] | None = Field(None, description="the memory placed in the prompt: revision, blocks")
+
+
+# ---- user memories (service/memory/) --------------------------------------------------------
+class MemoryReplace(Strict):
+    text: Text = Field(min_length=1, description="Markdown lines; `- [category] label: value` lines are facts")
+    max_block_tokens: int | None = Field(None, ge=16, le=1_000_000, description="split into blocks of about this "
+                                         "many tokens, compiled one by one (lines that refer to each other stay "
+                                         "together); null: one block")
+
+
+class MemoryCreate(MemoryReplace):
+    name: MemoryName = Field(description=f"Memory name, pattern {NAME_PATTERN}")
+
+
+class FactEditIn(Strict):
+    label: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    value: Annotated[str, StringConstraints(max_length=1024)]
+    mode: Literal["erratum", "in_place", "recompile"] = "erratum"
+
+
+class MemoryPatch(Strict):
+    edits: list[FactEditIn] = Field(min_length=1, max_length=256)
+
+
+class MemoryFact(BaseModel):
+    label: str
+    category: str | None = None
+    value: str
+    block: int
+
+
+class MemoryBlockOut(BaseModel):
+    index: int
+    n_tokens: int
+    content_hash: str
+    in_place_edits: int
+    errata: dict[str, str]
+
+
+class MemoryOut(BaseModel):
+    name: str
+    revision: int
+    text: str
+    n_tokens: int
+    max_block_tokens: int | None = None
+    facts: list[MemoryFact]
+    blocks: list[MemoryBlockOut]
+    created_at: float
+    updated_at: float
+
+
+class MemoryEdited(MemoryOut):
+    edits: list[dict[str, Any]]
+    timings: dict[str, float]
+
+
+class MemorySummary(BaseModel):
+    name: str
+    revision: int
+    n_tokens: int
+    n_blocks: int
+    updated_at: float
+
+
+class MemoryList(BaseModel):
+    memories: list[MemorySummary]

@@ -52,6 +52,7 @@ class ComposeParams:
     edit_mode: str = "erratum"
     namespace: str = "default"
     tools: ToolsParams | None = None
+    late: object = None  # blocks placed late, at the head of the user turn: a memory (service/memory/registry.py)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Final:
     skills: list[dict]
     edits: list[dict]
     tools: dict | None = None  # the tools block: format, n_tokens, source, path, seam
+    memory: dict | None = None  # the late blocks' report (LateMemory.report), when the request had them
 
 
 class ComposePipeline:
@@ -162,15 +164,18 @@ class ComposePipeline:
         tb = self.tool_prompt.block(p.tools) if p.tools is not None and p.tools.tools else None
         if tb is not None:
             check_block_size(tb, self.settings.max_skill_tokens)
-        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb)
+        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, late=p.late)
         for seg in plan.segments:
-            if seg.kind == "skill" and seg.skill_index < len(edits):
+            if seg.kind == "skill" and seg.skill_index < len(edits):  # the tools and late blocks are never edited
                 seg.recompute = list(edits[seg.skill_index].recompute)
         tools = None
         if tb is not None:
             t1 = time.perf_counter()
             tools = await self._add_tools(p, tb, t_index, plan, blocks, keys, seams)
             store_s += time.perf_counter() - t1
+        if p.late is not None:  # a memory: its blocks follow the skills' (and the tools block), with their own seams
+            blocks.extend(p.late.blocks)
+            seams.extend((k, "compose") for k in p.late.seams)
         store_ms = store_s * 1e3
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
         mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
@@ -222,7 +227,8 @@ class ComposePipeline:
             if isinstance(item, Done):
                 yield self._final(prep, item, box, mode)
                 if mode == "compose":  # after the response: never on the sampled request's clock
-                    self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
+                    if prep.params.late is None:  # a shadow check is the skills': a memory's is bench/memory.py
+                        self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
                     self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
                 return
             yield item
@@ -257,5 +263,7 @@ class ComposePipeline:
             for i, (r, s, path) in enumerate(zip(prep.records, prep.sources, prep.paths))
         ]
         tools = prep.tools.report(pre, in_prefix, mode) if prep.tools is not None else None
-        return Final(done, usage, timings, skills, prep.edits, tools)
+        late = prep.params.late  # its blocks are the last ones
+        memory = late.report(pre.seams, len(prep.blocks) - len(late.blocks)) if late is not None else None
+        return Final(done, usage, timings, skills, prep.edits, tools, memory)
 

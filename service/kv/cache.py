@@ -159,3 +159,31 @@ def cache_bytes(cache: DynamicCache, allocated: bool = False) -> int:
         return (layer._k, layer._v) if allocated and isinstance(layer, GrowLayer) else (layer.keys, layer.values)
 
     return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized for t in tensors(layer))
+
+
+def remove_span(cache: DynamicCache, start: int, end: int, rotator: KeyRotator) -> int:
+    """Drop cached tokens [start, end) and move the tokens after them back by n = end - start positions: their keys
+    are re-rotated by -n from where they were computed, values are copied (MLA: the rotator moves k_pe, cached in
+    the value slot). Returns n.
+
+    What the moved tokens hold afterwards: at layer 0 a token's K/V depend only on its id and position, so there
+    they equal a prefill of the same tokens at the shifted positions without the span (tests/kv/test_remove_span.py).
+    From layer 1 on they were computed while attending to the span: they keep what they read from it. That is the
+    design of a memory placed late in a session (service/memory/turns.py, the paper's section 9): the turn that
+    read the memory keeps its notes on it; the memory itself leaves the conversation's cache and is floated again,
+    re-rotated, before the next user turn.
+    """
+    total = cache.get_seq_length()
+    n = end - start
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"span [{start}, {end}) is not inside the cache's {total} tokens")
+    if n == 0:
+        return 0
+    # clones: the moved tail is written back into the same buffers, over the span and its own old place
+    tail_k = [layer.keys[:, :, end:].clone() for layer in cache.layers]  # L x [1, H_kv, total - end, D]
+    tail_v = [layer.values[:, :, end:].clone() for layer in cache.layers]  # L x [1, H_kv, total - end, D_v]
+    truncate(cache, start)
+    if total > end:
+        keys, values = rotator.move_layers(tail_k, tail_v, -n)
+        append_kv(cache, keys, values)
+    return n

@@ -21,6 +21,7 @@ _SENTINEL = "\x00{}\x00"
 _SENTINEL_RE = re.compile("\x00(\\d+)\x00")
 BLOCK_JOINER = "\n\n"  # between the system text, skill blocks and errata in the system turn
 _TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # message keys a template with tools support reads
+LATE_JOINER = "\n"  # between late blocks (a memory split into blocks of whole lines reads as one document)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class PromptPlan:
     segments: list[Segment] = field(default_factory=list)
     head_end: int | None = None  # where the conversation's first message starts: ids[:head_end] is the head
     # (template opening, skills, system text, errata), the same for every request that shares them
+    late_span: tuple[int, int] | None = None  # [start, end): late blocks (a memory) and their lines at the head of
+    # the last user turn; ids[end:] is that turn's own content on (build(late_ids=...))
 
     @property
     def ids(self) -> list[int]:
@@ -105,6 +108,8 @@ class PromptBuilder:
         errata: list[str] | None = None,
         add_generation_prompt: bool = True,
         tools: TemplateTools | None = None,
+        late_ids: list[list[int]] | None = None,
+        late_lines: list[str] | None = None,
     ) -> PromptPlan:
         """Lay skills, then the system text, then errata lines into the system turn and render the conversation.
 
@@ -112,6 +117,12 @@ class PromptBuilder:
         `skill_ids`: each skill's precompiled token ids, in request order.
         `tools`: rendered by the template (its own `tools` support); messages may then carry `tool_calls`,
         `tool_call_id` and `name`, which reach the template as given.
+        `late_ids`: blocks placed late, at the head of the last user message: each block's ids (segments of kind
+        "skill", skill_index n + j, n the blocks before them: the skills, then the tools block when the prompt holds
+        it), joined by LATE_JOINER, then `late_lines` (one a line), then BLOCK_JOINER and the message's own content.
+        Only tool calls and their results ("tool" messages, or "tool_turn" ones: service/tools/render.py) may follow it.
+        plan.late_span covers them, so the turn's content and what follows render to the same ids as without them
+        (a session's memory, service/memory/).
         """
         pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
 
@@ -130,10 +141,20 @@ class PromptBuilder:
                  "content": sentinel("ids", m["ids"]) if m.get("ids") is not None
                  else "" if m.get("tool_calls") and not m["content"] else sentinel("content", m["content"])}
                 for m in msgs]
+        late_first = late_own = None  # sentinel indexes: the first late block, the late turn's own content
+        if late_ids:
+            at = _late_turn(msgs)
+            late_own = int(_SENTINEL_RE.findall(body[at]["content"])[0])
+            late_first = len(pieces)
+            late = [sentinel("late", j) for j in range(len(late_ids))]
+            lines = [sentinel("content", "\n".join(late_lines))] if late_lines else []
+            body[at]["content"] = BLOCK_JOINER.join([LATE_JOINER.join(late), *lines, body[at]["content"]])
         rendered = self._render(BLOCK_JOINER.join(sys_parts) if sys_parts else None, body, add_generation_prompt,
                                 tools=tools.specs if tools else None)
+        n_blocks = len(skill_ids)  # late blocks are indexed after the skills' and the tools block, if rendered
         if tools is not None and tools.text in rendered:
             rendered = rendered.replace(tools.text, sentinel("block", tools), 1)
+            n_blocks = max(n_blocks, tools.index + 1)
 
         plan = PromptPlan()
         cursor, n_head = 0, len(sys_parts)  # pieces before n_head are the system turn's
@@ -141,9 +162,15 @@ class PromptBuilder:
             self._add_text(plan, rendered[cursor : match.start()])
             if int(match.group(1)) == n_head and plan.head_end is None:
                 plan.head_end = plan.n_tokens
+            if int(match.group(1)) == late_first:
+                late_start = plan.n_tokens
+            if int(match.group(1)) == late_own:
+                plan.late_span = (late_start, plan.n_tokens)
             kind, value = pieces[int(match.group(1))]
             if kind == "skill":
                 plan.segments.append(Segment("skill", list(skill_ids[value]), skill_index=value))
+            elif kind == "late":
+                plan.segments.append(Segment("skill", list(late_ids[value]), skill_index=n_blocks + value))
             elif kind == "ids":
                 self._add_ids(plan, value)
             elif kind == "block":
@@ -204,3 +231,15 @@ class PromptBuilder:
         body[first]["content"] = system + BLOCK_JOINER + body[first]["content"]
         return self.tok.apply_chat_template(body, tokenize=False, add_generation_prompt=add_generation_prompt,
                                             tools=tools)
+
+
+def _late_turn(msgs: list[dict]) -> int:
+    """The message late blocks lead: the last user turn. Only tool calls and their results may follow it (an agent
+    loop's turn that brings results: the memory stays before the question they answer)."""
+    for i in range(len(msgs) - 1, -1, -1):
+        m = msgs[i]
+        if m["role"] == "user" and not m.get("tool_turn"):
+            return i
+        if not (m["role"] == "tool" or m.get("tool_calls") or m.get("tool_turn")):
+            break
+    raise ValueError("late blocks go at the head of the last user turn, which only tool calls and results may follow")

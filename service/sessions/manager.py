@@ -18,6 +18,7 @@ from service.compose.edits import check_fields, plan_edit
 from service.compose.tooluse import ToolsPrep, check_block_size
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.compose.pipeline import ComposePipeline, Final, SkillRef
+from service.runtime.late import late_turn_steps
 from service.runtime.params import Delta, Done, GenParams
 from service.sessions.saved import SavedSessions, Session
 from service.tools.conversation import link_results
@@ -28,9 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class SessionManager:
-    def __init__(self, pipeline: ComposePipeline) -> None:
+    def __init__(self, pipeline: ComposePipeline, memories=None) -> None:
         self.p = pipeline
         self.rt = pipeline.rt
+        self.memories = memories  # MemoryRegistry: a session may float a memory before each user turn
         st = pipeline.settings
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
@@ -39,9 +41,10 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
-                     mode: str = "compose", seam_tokens: int | None = None, tools: ToolsParams | None = None
-                     ) -> tuple[Session, dict]:
-        """`tools`: offered on every turn; their block is composed into the head with the skills."""
+                     mode: str = "compose", seam_tokens: int | None = None, tools: ToolsParams | None = None,
+                     memory: str | None = None, memory_seam_tokens: int | None = None) -> tuple[Session, dict]:
+        """`tools`: offered on every turn; their block is composed into the head with the skills. `memory`: floated
+        before every user turn, never part of the head."""
         if sum(s.namespace == ns for s in self.live.values()) >= self.max_per_ns:
             raise LimitExceeded(f"this tenant has {self.max_per_ns} live sessions (SKILLCACHE_MAX_SESSIONS); "
                                 "delete some first")
@@ -52,6 +55,8 @@ class SessionManager:
         if len({r.name for r in records}) != len(records):
             raise InvalidRequest("a skill may appear only once per session")
         check_fields(records, fields)
+        if memory is not None:  # it exists, and its blocks are compiled before the first turn
+            await self.memories.resolve(ns, memory, memory_seam_tokens)
         tmpl = self.p.settings.erratum_template
         edits = [plan_edit(self.rt.prompts, r, fields, "erratum", tmpl) for r in records]
         blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
@@ -60,7 +65,8 @@ class SessionManager:
                     fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
                     skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
                     base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks],
-                    tools=[t.openai() for t in tools.tools] if tools is not None else [])
+                    tools=[t.openai() for t in tools.tools] if tools is not None else [],
+                    memory=memory, memory_seam_tokens=memory_seam_tokens)
         tb = self.p.tool_prompt.block(tools) if tools is not None else None
         if tb is not None:
             check_block_size(tb, self.p.settings.max_skill_tokens)
@@ -132,15 +138,19 @@ class SessionManager:
             if user is not None or errata:
                 content = "\n".join(errata) + ("\n\n" + user if user is not None else "") if errata else user
                 messages.append({"role": "user", "content": content})
+            t0 = time.perf_counter()  # the turn's clock: finding the memory's blocks is part of its first token
+            late = await self.memories.resolve(ns, s.memory, s.memory_seam_tokens) if s.memory else None
             tb = self.p.tool_prompt.block(params) if params is not None else None
-            plan, t_index = self.p.tool_prompt.build(self._head(s) + messages, s.skill_ids, s.base_errata, tb)
+            plan, t_index = self.p.tool_prompt.build(self._head(s) + messages, s.skill_ids, s.base_errata, tb,
+                                                     late=late)
             tools = ToolsPrep.make(params, tb, t_index, self.p.tool_prompt.encode_template) if tb else None
             if tools is not None:
                 self.p.tool_prompt.force(plan, tools.opening)
                 gen = tools.gen(gen)
             ids = plan.ids
-            self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens, "full")
-            events = await self._run_turn(s, ids, gen, tools)
+            self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens,
+                                 "compose" if late else "full")
+            events = await self._run_turn(s, ids, gen, tools, (plan, late) if late else None, t0)
             out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
@@ -148,15 +158,22 @@ class SessionManager:
             raise
         return out
 
-    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, tools: ToolsPrep | None):
-        t0 = time.perf_counter()
-        box: dict = {"ids": ids}
+    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, tools: ToolsPrep | None, late=None,
+                        t0: float | None = None):
+        """`late`: (plan, LateMemory) when the session floats a memory before the user turn."""
+        t0 = time.perf_counter() if t0 is None else t0
+        box: dict = {"ids": ids, "late": late, "store_ms": (time.perf_counter() - t0) * 1e3}
         cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
 
         def on_prefilled(pre) -> None:  # on the engine
-            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused, recomputed=pre.n_recomputed)
+            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused + pre.n_prefix,
+                       recomputed=pre.n_recomputed, composed=pre.n_reused if late else 0, seams=pre.seams)
 
-        steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=self.p.settings.prefill_chunk_tokens)
+        chunk = self.p.settings.prefill_chunk_tokens
+        if late is not None:
+            steps = late_turn_steps(self.rt, s.cache, cached_ids, late[0], late[1].blocks, late[1].seams, chunk)
+        else:
+            steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=chunk)
         n_prompt = len(ids)
         if tools is not None:
             steps, n_prompt = tools.steps(self.rt, steps), n_prompt + tools.extra_tokens()
@@ -176,18 +193,23 @@ class SessionManager:
                     # the cache holds every forwarded token: the last sampled one may not be
                     s.cache = job.cache
                     tail = tools.tail_ids if tools is not None else []  # a tool chosen for `required`
-                    s.ids = (box["ids"] + tail + item.token_ids)[: s.cache.get_seq_length()]
+                    ids = box["ids"] + tail + item.token_ids
+                    if box["late"] is not None:  # the memory leaves the conversation's cache: floated again next turn
+                        ids = await self.memories.leave(s.cache, ids, box["late"][0].late_span)
+                    s.ids = ids[: s.cache.get_seq_length()]
                     s.messages = messages + [self._reply(item)]
                     s.fields.update(fields)
                     s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
                                       for said in s.skill_fields]  # an erratum names no skill: all read it
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
-                             "composed_tokens": 0, "prefix_tokens": box["reused"],
+                             "composed_tokens": box["composed"], "prefix_tokens": box["reused"] - box["composed"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
-                    metrics.TOKENS.labels("prefix").inc(box["reused"])
+                    metrics.TOKENS.labels("prefix").inc(box["reused"] - box["composed"])
+                    metrics.TOKENS.labels("composed").inc(box["composed"])
                     metrics.TOKENS.labels("recomputed").inc(box["recomputed"])
                     timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
-                               "store_ms": 0.0, "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
+                               "store_ms": round(box["store_ms"], 2),
+                               "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
                     edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
                     if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
                         self._admit(s)
@@ -195,8 +217,9 @@ class SessionManager:
                     report = None if tools is None else {
                         "format": tools.block.fmt.name, "native": tools.block.native,
                         "n_tokens": len(tools.block.ids), "source": "session"}
+                    memory = box["late"][1].report(box["seams"], _late_index(*box["late"])) if box["late"] else None
                     yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits,
-                                report)
+                                report, memory)
                     return
                 yield item
         finally:
@@ -269,3 +292,8 @@ async def _after(first, stream: AsyncIterator) -> AsyncIterator:
     yield first
     async for item in stream:
         yield item
+
+
+def _late_index(plan, late) -> int:
+    """The index of the first late block: they are the plan's last skill segments, after the skills and tools."""
+    return [seg for seg in plan.segments if seg.kind == "skill"][-len(late.blocks)].skill_index

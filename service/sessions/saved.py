@@ -38,6 +38,8 @@ class Session:
     # (skills may declare one field with different defaults)
     skill_fields: list[dict[str, str]] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # tokens held by `cache`
+    memory: str | None = None  # a memory floated before each user turn (service/memory/), never held in `cache`
+    memory_seam_tokens: int | None = None  # None: SKILLCACHE_MEMORY_SEAM_TOKENS
     cache: Any = None  # DynamicCache, owned by this session; None until loaded
     created_at: float = field(default_factory=time.time)
     saved_at: float | None = None  # wall clock of the last save (creation or turn): the store's expiry clock
@@ -54,15 +56,15 @@ class Session:
 
     def doc(self) -> dict:
         keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
-                "skill_fields", "tools", "ids", "created_at", "saved_at")
+                "skill_fields", "tools", "ids", "created_at", "saved_at", "memory", "memory_seam_tokens")
         return {k: getattr(self, k) for k in keep}
 
     def public(self) -> dict:
         messages = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m}
                     for m in self.messages]
-        out = {"id": self.id, "skills": self.skills, "fields": self.fields, "messages": messages,
-               "n_tokens": len(self.ids), "turns": sum(m["role"] == "assistant" for m in self.messages),
-               "created_at": self.created_at}
+        out = {"id": self.id, "skills": self.skills, "memory": self.memory, "fields": self.fields,
+               "messages": messages, "n_tokens": len(self.ids),
+               "turns": sum(m["role"] == "assistant" for m in self.messages), "created_at": self.created_at}
         return {**out, "tools": self.tools} if self.tools else out
 
 

@@ -109,7 +109,8 @@ class ToolPrompt:
                     for c in calls]})
             elif calls:
                 text = FALLBACK.call_text(calls)
-                out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m.get("content") else text})
+                out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m.get("content") else text,
+                            "tool_turn": True})
             elif m["role"] == "tool" and not native:
                 if out and out[-1].get("tool_results"):
                     out[-1]["content"] += "\n" + tool_response(m["content"])
@@ -117,24 +118,29 @@ class ToolPrompt:
                     out.append({"role": "user", "content": tool_response(m["content"]), "tool_results": True})
             else:
                 out.append(dict(m))
-        for m in out:
-            m.pop("tool_results", None)
+        for m in out:  # "tool_turn": a call or results written out as plain turns (late blocks go before them)
+            if m.pop("tool_results", None):
+                m["tool_turn"] = True
         return out
 
     def build(self, messages: list[dict], skill_ids: list[list[int]], errata: list[str] | None,
-              block: ToolsBlock | None, add_generation_prompt: bool = True) -> tuple[PromptPlan, int | None]:
-        """The prompt plan, and the index of the tools block among its blocks (None: no block in the prompt)."""
+              block: ToolsBlock | None, add_generation_prompt: bool = True, late=None) -> tuple[PromptPlan, int | None]:
+        """The prompt plan, and the index of the tools block among its blocks (None: no block in the prompt).
+
+        `late`: blocks floated before the last user turn (a memory: .ids, .lines), indexed after the tools block."""
         native = block.native if block is not None else self.native_fmt is not None
         msgs = self.messages(messages, native)
+        more = {"late_ids": late.ids, "late_lines": late.lines} if late is not None else {}
         if block is None:
-            return self.prompts.build(msgs, skill_ids, errata, add_generation_prompt), None
+            return self.prompts.build(msgs, skill_ids, errata, add_generation_prompt, **more), None
         index = len(skill_ids)
         if block.native:
             tools = TemplateTools(list(block.specs), block.text, list(block.ids), index)
-            plan = self.prompts.build(msgs, skill_ids, errata, add_generation_prompt, tools=tools)
+            plan = self.prompts.build(msgs, skill_ids, errata, add_generation_prompt, tools=tools, **more)
         else:
-            plan = self.prompts.build(msgs, [*skill_ids, list(block.ids)], errata, add_generation_prompt)
-        found = any(seg.kind == "skill" and seg.skill_index == index for seg in plan.segments)
+            plan = self.prompts.build(msgs, [*skill_ids, list(block.ids)], errata, add_generation_prompt, **more)
+        skills = [seg for seg in plan.segments if seg.kind == "skill"]
+        found = any(seg.skill_index == index for seg in skills[: len(skills) - len(more.get("late_ids", []))])
         return plan, index if found else None
 
     def force(self, plan: PromptPlan, opening: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import Namespace, Pipeline
+from service.api.deps import Memories, Namespace, Pipeline
 from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
 from service.api.sse import SSE_200, sse_response
 from service.api.tool_schemas import ToolFields, tools_params
@@ -43,6 +43,8 @@ def _final_json(final: Final, text: str | None = None) -> dict:
         "finish_reason": final.done.finish_reason, "usage": final.usage, "timings": final.timings,
         "skills": final.skills, "edits": final.edits,
     }
+    if final.memory is not None:
+        out["memory"] = final.memory
     if text is not None:
         out = {"text": text, **out}
     if final.done.top_logprobs is not None:
@@ -72,6 +74,9 @@ async def respond(events, stream: bool, extra: dict | None = None):
 
 
 @router.post("/compose", response_model=ComposeResponse, responses={**_ERRORS, **SSE_200})
-async def compose(body: ComposeToolsRequest, pipeline: Pipeline, ns: Namespace):
-    prep = await pipeline.prepare(_params(body, ns))
+async def compose(body: ComposeToolsRequest, pipeline: Pipeline, ns: Namespace, memories: Memories):
+    params = _params(body, ns)
+    if body.memory is not None:  # floated after the system turn, before the user text (service/memory/)
+        params.late = await memories.resolve(ns, body.memory, body.memory_seam_tokens)
+    prep = await pipeline.prepare(params)
     return await respond(await pipeline.start(prep), body.stream)

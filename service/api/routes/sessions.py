@@ -9,7 +9,8 @@ from pydantic import Field, StringConstraints
 
 from service.api.deps import Namespace, Sessions
 from service.api.routes.compose import gen_params, respond
-from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn, Strict, Text
+from service.api.schemas import (ErrorResponse, GenerationIn, MemoryName, MemorySeam, SeamTokens, SkillName,
+                                 SkillRefIn, Strict, Text)
 from service.api.sse import SSE_200
 from service.api.tool_schemas import CallId, ToolChoiceIn, ToolIn, tool_choice, tool_specs
 from service.compose.pipeline import SkillRef
@@ -27,6 +28,8 @@ class SessionCreate(Strict):
     mode: Literal["compose", "full"] = "compose"
     seam_tokens: SeamTokens = None
     tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS, description="offered on every turn")
+    memory: MemoryName | None = None  # floated before every user turn (service/memory/)
+    memory_seam_tokens: MemorySeam = None
 
 
 class ToolResultIn(Strict):
@@ -49,7 +52,8 @@ async def create_session(body: SessionCreate, sessions: Sessions, ns: Namespace)
     refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
     s, usage = await sessions.create(ns, refs, body.system, dict(body.fields or {}), body.mode,
                                       None if body.seam_tokens == "auto" else body.seam_tokens,
-                                      tools_params(tool_specs(body.tools), None, None))
+                                      tools=tools_params(tool_specs(body.tools), None, None), memory=body.memory,
+                                      memory_seam_tokens=body.memory_seam_tokens)
     return {**s.public(), "usage": usage}
 
 
