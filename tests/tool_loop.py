@@ -18,6 +18,23 @@ RESULTS = {"get_weather": '{"city": "Paris", "temp_c": 18, "sky": "cloudy"}', "g
 QUESTION = "What is the weather in Paris, and what time is it there?"
 
 
+
+def sdk_client(home, env: dict):
+    """Start a real service (service.devserver.ServiceProcess) and yield (openai client, model id) while it runs."""
+    import pytest
+    from openai import OpenAI
+
+    from service.devserver import ServiceNotReady, ServiceProcess
+
+    with ServiceProcess(home, env, threads=None) as svc:
+        try:
+            svc.wait_ready(300)
+        except ServiceNotReady as e:
+            pytest.fail(str(e))
+        c = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield c, c.models.list().data[0].id
+
+
 def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 

@@ -100,15 +100,18 @@ class MemoryRegistry:
             keep = {h for b in rec.blocks for h in b.recipes()}
             await self.kv.forget(rec.namespace, {h for b in old.blocks for h in b.recipes()} - keep)
 
+    async def _current(self, ns: str, name: str) -> MemoryRecord | None:
+        try:
+            return await self.get(ns, name)
+        except MemoryNotFound:
+            return None
+
     async def create(self, ns: str, name: str, text: str, max_block_tokens: int | None = None,
                      compile: bool = True) -> tuple[MemoryRecord, bool]:
         """(record, created). The same text and split again: the memory as it is (not created)."""
         check_memory_name(name)
         async with self._locks[(ns, name)]:
-            try:
-                old = await self.get(ns, name)
-            except MemoryNotFound:
-                old = None
+            old = await self._current(ns, name)
             if old is not None:
                 if old.text == text and old.max_block_tokens == max_block_tokens:
                     return old, False
@@ -122,10 +125,7 @@ class MemoryRegistry:
         """(record, created): the memory with this text as its next revision, every block compiled from it."""
         check_memory_name(name)
         async with self._locks[(ns, name)]:
-            try:
-                old = await self.get(ns, name)
-            except MemoryNotFound:
-                old = None
+            old = await self._current(ns, name)
             rec = self._build(ns, name, text, max_block_tokens)
             if old is not None:
                 rec.revision, rec.created_at = old.revision + 1, old.created_at

@@ -9,27 +9,18 @@ import shutil
 
 import pytest
 
-from tool_loop import TOOLS, agent_turns, check_loop, named
+from tool_loop import TOOLS, agent_turns, check_loop, named, sdk_client
 
-from service.devserver import ROOT, ServiceNotReady, ServiceProcess
+from service.devserver import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from openai import OpenAI
-
     skills = tmp_path_factory.mktemp("skills")  # one shipped skill: less to preload and calibrate on a busy CPU
     shutil.copy(ROOT / "skills" / "refund-policy.md", skills)
-    svc = ServiceProcess(tmp_path_factory.mktemp("home"), {"SKILLCACHE_SKILLS_DIR": str(skills)}, threads=None)
-    with svc:
-        try:
-            svc.wait_ready(300)
-        except ServiceNotReady as e:
-            pytest.fail(str(e))
-        c = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        yield c, c.models.list().data[0].id
+    yield from sdk_client(tmp_path_factory.mktemp("home"), {"SKILLCACHE_SKILLS_DIR": str(skills)})
 
 
 def test_agent_loop_two_tools_three_turns(client):

@@ -7,9 +7,7 @@ import json
 import pytest
 
 from gemma_model import gemma_gguf
-from tool_loop import TOOLS, agent_turns, check_loop, named
-
-from service.devserver import ServiceNotReady, ServiceProcess
+from tool_loop import TOOLS, agent_turns, check_loop, named, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +15,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, gemma_runtime):
     # gemma_runtime: the conversion exists in the caller's model cache, so the service loads rather than converts
-    from openai import OpenAI
-
     env = {"SKILLCACHE_MODEL": str(gemma_gguf()), "SKILLCACHE_CHAT_TEMPLATE": "gemma", "SKILLCACHE_DEVICE": "cpu",
            "SKILLCACHE_SHADOW_SAMPLE_RATE": "0"}
-    with ServiceProcess(tmp_path_factory.mktemp("home"), env, threads=None) as svc:
-        try:
-            svc.wait_ready(300)
-        except ServiceNotReady as e:
-            pytest.fail(str(e))
-        c = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        yield c, c.models.list().data[0].id
+    yield from sdk_client(tmp_path_factory.mktemp("home"), env)
 
 
 def test_gemma_agent_loop_two_tools_three_turns(client):
