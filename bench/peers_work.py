@@ -40,11 +40,13 @@ class Prompts:
     def __init__(self, skills: list[str]) -> None:
         from transformers import AutoTokenizer
 
-        from service.runtime.loader import convert_embedded
+        from service.runtime.gguf import convert_gguf
+        from service.runtime.loader import gguf_source
         from service.runtime.prompt import PromptBuilder
 
         models = Path(os.environ.get("SKILLCACHE_MODEL_CACHE") or caller_home() / "models")
-        self.builder = PromptBuilder(AutoTokenizer.from_pretrained(convert_embedded(models)))
+        converted = convert_gguf(gguf_source("embedded"), models, caller_home() / "fingerprints.json")
+        self.builder = PromptBuilder(AutoTokenizer.from_pretrained(converted))
         specs = {n: load_skill(n) for n in skills}
         self.skill_ids = {n: self.builder.encode_content(render(s["text"], s["fields"])) for n, s in specs.items()}
 

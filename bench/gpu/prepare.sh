@@ -22,9 +22,11 @@ for spec in $specs; do
 done
 $PY - <<'PYEOF'
 from service.config import Settings
-from service.runtime.loader import convert_embedded
+from service.runtime.gguf import convert_gguf
+from service.runtime.loader import gguf_source
 import shutil
-src = convert_embedded(Settings().models_dir)  # converts once if this machine has not yet
+s = Settings()
+src = convert_gguf(gguf_source("embedded"), s.models_dir, s.home / "fingerprints.json")  # converts once if needed
 for f in src.iterdir():
     if f.name != "model.safetensors":
         shutil.copy(f, ".gpu/tokenizer/")
