@@ -39,6 +39,25 @@ def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
+def named_calls(c, model, cities: list[str]) -> int:
+    """Ask for the weather and the time in each city with that tool named: every reply must be one call of it.
+    Returns how many calls' arguments were a JSON object."""
+    import json
+
+    n_json = 0
+    for city in cities:
+        for tool, question in (("get_weather", f"How is the weather in {city}?"), ("get_time", f"Time in {city}?")):
+            r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], tools=TOOLS,
+                                          tool_choice=named(tool), max_tokens=32)
+            [call] = r.choices[0].message.tool_calls
+            assert call.function.name == tool
+            try:
+                n_json += isinstance(json.loads(call.function.arguments), dict)
+            except ValueError:
+                pass
+    return n_json
+
+
 def agent_turns(client, model, stream: bool, system: str | None = "You are a helpful assistant.",
                 max_tokens: int = 32):
     """call, tool result + call, tool results + answer; yields (message, finish_reason, usage, model_extra), the

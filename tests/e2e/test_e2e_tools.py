@@ -4,12 +4,11 @@ An agent loop with two tools over three turns (a call, a tool result and the nex
 streamed; named tool_choice over 20 questions; skills and tools composed together. What the 135M model does with
 tool_choice auto is measured by bench/tools.py (docs/BENCHMARKS.md), not asserted here."""
 
-import json
 import shutil
 
 import pytest
 
-from tool_loop import TOOLS, agent_turns, check_loop, named, sdk_client
+from tool_loop import TOOLS, agent_turns, check_loop, named_calls, sdk_client
 
 from service.devserver import ROOT
 
@@ -42,17 +41,7 @@ def test_agent_loop_streamed_accumulates_in_the_sdk(client):
 def test_named_tool_choice_always_yields_that_call(client):
     c, model = client
     cities = ["Paris", "London", "Cairo", "Oslo", "Lima", "Tokyo", "Sydney", "Berlin", "Chicago", "Mumbai"]
-    n_json = 0
-    for city in cities:
-        for tool, question in (("get_weather", f"How is the weather in {city}?"), ("get_time", f"Time in {city}?")):
-            r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], tools=TOOLS,
-                                          tool_choice=named(tool), max_tokens=32)
-            [call] = r.choices[0].message.tool_calls
-            assert call.function.name == tool
-            try:
-                n_json += isinstance(json.loads(call.function.arguments), dict)
-            except ValueError:
-                pass
+    n_json = named_calls(c, model, cities)
     print(f"named tool_choice: 20/20 calls of the named tool, arguments a JSON object in {n_json}/20")
 
 

@@ -2,12 +2,11 @@
 the fallback block) behind a real uvicorn, driven by the official openai SDK: the same agent loop as the embedded
 model's (tests/e2e/test_e2e_tools.py), plain and streamed, and named tool_choice over several questions."""
 
-import json
 
 import pytest
 
 from gemma_model import gemma_gguf
-from tool_loop import TOOLS, agent_turns, check_loop, named, sdk_client
+from tool_loop import agent_turns, check_loop, named_calls, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -41,17 +40,7 @@ def test_gemma_agent_loop_streamed_accumulates_in_the_sdk(client):
 
 def test_gemma_named_tool_choice_always_yields_that_call(client):
     c, model = client
-    n_json = 0
     cities = ["Paris", "Cairo", "Lima", "Tokyo", "Berlin"]
-    for city in cities:
-        for tool, question in (("get_weather", f"How is the weather in {city}?"), ("get_time", f"Time in {city}?")):
-            r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], tools=TOOLS,
-                                          tool_choice=named(tool), max_tokens=32)
-            [call] = r.choices[0].message.tool_calls
-            assert call.function.name == tool
-            try:
-                n_json += isinstance(json.loads(call.function.arguments), dict)
-            except ValueError:
-                pass
+    n_json = named_calls(c, model, cities)
     print(f"named tool_choice on Gemma: {2 * len(cities)}/{2 * len(cities)} calls of the named tool, "
           f"arguments a JSON object in {n_json}/{2 * len(cities)}")
