@@ -13,7 +13,9 @@ SKILLCACHE_REFINE_AFTER; requests stream, greedy, 32 tokens, logprobs 1 (the fir
   mix     the REFINE_AFTER choice on a mix: half the requests use one of four recurring orders, half a
           random order of three of six skills that never recurs; composed only. Cost: tokens prefilled by
           refinement; benefit: requests served from an exact prefix. One client, back to back.
-Arms: --after (default 0, 1, 2). Loopback only; bounded by --deadline-s.
+Arms: --after (default 0, 1, 2) x --from-full (SKILLCACHE_REFINE_FROM_FULL, default on: a mode=full request
+gives the prefix refinement wants; off: refinement is background work only). Loopback only; bounded by
+--deadline-s.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ TURNS = ["Can I return an opened item?", "Which tool do I use to check an order?
          "The parcel is late. What do I say?", "Summarise the refund rules in two sentences."]
 
 
-def start(after: int) -> ServiceProcess:
+def start(after: int, from_full: str, chunk: int | None) -> ServiceProcess:
     env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), "SKILLCACHE_SHADOW_SAMPLE_RATE": "0",
-           "SKILLCACHE_REFINE_AFTER": str(after)}
+           "SKILLCACHE_REFINE_AFTER": str(after), "SKILLCACHE_REFINE_FROM_FULL": str(from_full == "on").lower()}
+    if chunk:
+        env["SKILLCACHE_BACKGROUND_CHUNK_TOKENS"] = str(chunk)
     svc = ServiceProcess(Path(tempfile.mkdtemp(prefix=f"skillcache-repeat-{after}-")), env, threads=None).start()
     svc.wait_ready(600)
     return svc
@@ -106,7 +110,8 @@ async def orders(url: str, pause_s: float, deadline: float) -> dict:
             "second": len(second), "top1_agree": sum(r["top1"] for r in rows),
             "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9),
             "refined": metric(m, "skillcache_refined_prefixes_total"),
-            "refine_prefilled": metric(m, "skillcache_refine_tokens_total", '{kind="prefilled"}'), "rows": rows}
+            "refine_prefilled": metric(m, "skillcache_refine_tokens_total", '{kind="prefilled"}'),
+            "refine_donated": metric(m, "skillcache_refine_tokens_total", '{kind="donated"}'), "rows": rows}
 
 
 async def mix(url: str, n: int, seed: int, deadline: float) -> dict:
@@ -131,6 +136,9 @@ async def mix(url: str, n: int, seed: int, deadline: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--after", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--from-full", nargs="+", default=["on"], choices=["on", "off"],
+                    help="SKILLCACHE_REFINE_FROM_FULL per arm: mode=full requests donate the prefix refinement wants")
+    ap.add_argument("--background-chunk", type=int, help="SKILLCACHE_BACKGROUND_CHUNK_TOKENS (default: the service's)")
     ap.add_argument("--scenarios", nargs="+", default=["orders", "mix"], choices=["orders", "mix"])
     ap.add_argument("--pause-s", type=float, default=0.0)
     ap.add_argument("--mix-requests", type=int, default=40)
@@ -140,25 +148,28 @@ def main() -> None:
     args = ap.parse_args()
     deadline = time.perf_counter() + args.deadline_s
     out: dict = {"args": vars(args), "arms": {}}
-    for after in args.after:
-        svc = start(after)
+    for after, from_full in itertools.product(args.after, args.from_full):
+        if after == 0 and from_full == "off" and "on" in args.from_full:
+            continue  # refinement off: donation changes nothing
+        arm = f"after={after} from_full={from_full}"
+        svc = start(after, from_full, args.background_chunk)
         try:
             res = {}
             if "orders" in args.scenarios:
                 res["orders"] = asyncio.run(orders(svc.url, args.pause_s, deadline))
                 o = res["orders"]
-                print(f"after={after} orders: later {o['later_equal']}/{o['later']} equal, second "
+                print(f"{arm} orders: later {o['later_equal']}/{o['later']} equal, second "
                       f"{o['second_equal']}/{o['second']} equal ({o['second_exact']} exact), top-1 "
                       f"{o['top1_agree']}/{o['requests']}, TTFT p50 {o['ttft_p50_s'] * 1e3:.0f} ms p90 "
                       f"{o['ttft_p90_s'] * 1e3:.0f} ms, {o['refined']:.0f} refinements, "
-                      f"{o['refine_prefilled']:.0f} tokens prefilled", flush=True)
+                      f"{o['refine_prefilled']:.0f} tokens prefilled, {o['refine_donated']:.0f} donated", flush=True)
             if "mix" in args.scenarios:
                 res["mix"] = asyncio.run(mix(svc.url, args.mix_requests, args.seed, deadline))
                 x = res["mix"]
-                print(f"after={after} mix: {x['served_exact']}/{x['requests']} served exact, {x['refined']:.0f} "
+                print(f"{arm} mix: {x['served_exact']}/{x['requests']} served exact, {x['refined']:.0f} "
                       f"refinements, {x['refine_prefilled']:.0f} tokens prefilled, TTFT p90 "
                       f"{x['ttft_p90_s'] * 1e3:.0f} ms", flush=True)
-            out["arms"][str(after)] = res
+            out["arms"][arm] = res
         finally:
             svc.stop()
             shutil.rmtree(svc.home, ignore_errors=True)

@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     refine_after: int = Field(2, ge=0, description="prefill a prompt head (two skills or more, in order, and the "
                               "system turn) in full in the background once it has been composed this many times; "
                               "later requests opening with it copy it as an exact prefix. 0: off")
+    refine_from_full: bool = Field(True, description="a mode=full request whose prompt opens with a head that "
+                                   "refinement wants keeps its K/V as that head's exact prefix (no background prefill)")
     background_chunk_tokens: int = Field(128, ge=1, description="tokens per step of a background full prefill "
                                          "(calibration, shadow checks, refinement): a live request waits behind one "
                                          "step at most")

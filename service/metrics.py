@@ -55,9 +55,11 @@ SHADOW_CHECKS = Counter("skillcache_shadow_checks_total", "Compose requests re-r
 SHADOW_COSINE = Histogram("skillcache_shadow_cosine", "First-token logit cosine, compose vs full (shadow)",
                           buckets=(0.9, 0.99, 0.995, 0.999, 0.9995, 0.9999, 1.0))
 REFINED_PREFIXES = Counter("skillcache_refined_prefixes_total",
-                           "Repeated prompt heads prefilled in full in the background, kept as exact prefixes")
+                           "Repeated prompt heads kept as exact prefixes (prefilled in the background, or "
+                           "donated by a live full prefill)")
 REFINE_TOKENS = Counter("skillcache_refine_tokens_total", "Tokens of refined prefixes, by how they were obtained: "
-                        "prefilled in the background, or copied from a shorter prefix already refined", ["kind"])
+                        "prefilled in the background, copied from a shorter prefix already refined, or donated by a "
+                        "live full prefill", ["kind"])
 DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")
 
 # sessions

@@ -1,5 +1,7 @@
 """Refined prefixes: a repeated skill sequence is prefilled in full when idle and then copied as an exact prefix."""
 
+import time
+
 import pytest
 import torch
 
@@ -228,3 +230,42 @@ def test_service_refines_incrementally_and_per_head(tmp_path):
         ends = plan.skill_ends()
         assert metric("skillcache_refine_tokens_total", kind="copied") - copied == ends[1]
         assert metric("skillcache_refine_tokens_total", kind="prefilled") - prefilled == plan.head_end - ends[1]
+
+
+@pytest.mark.parametrize("from_full", [True, False])
+def test_a_full_prefill_donates_the_head_refinement_wants(tmp_path, from_full):
+    """Background work held: with donation the mode=full request that follows the second composition gives the
+    refined prefix (no background prefill); without it the head waits for the background."""
+    with make_client(tmp_path, refine_after=2, background_chunk_tokens=16, refine_from_full=from_full) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        for name, text in zip("ab", SKILLS):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code == 201
+        guard, engine = state.pipeline.guard, state.engine
+        engine.pause_background()
+        donated, prefilled = metric("skillcache_refine_tokens_total", kind="donated"), \
+            metric("skillcache_refine_tokens_total", kind="prefilled")
+        _compose(c, ["a", "b"], mode="full")  # nothing wanted yet: a full request alone is not a repetition
+        for _ in range(2):
+            _compose(c, ["a", "b"])  # the second composition queues the refinement (held)
+        full = _compose(c, ["a", "b"], mode="full")
+        deadline = time.monotonic() + 10  # the donation is stored from the event loop, right after the prefill
+        while from_full and metric("skillcache_refine_tokens_total", kind="donated") == donated:
+            assert time.monotonic() < deadline, "no donation"
+            time.sleep(0.01)
+        refined = _compose(c, ["a", "b"])
+        if not from_full:
+            assert refined["usage"]["prefix_tokens"] == 0  # the refinement is still queued
+            engine.resume_background()
+            c.portal.call(guard.drain)
+            refined = _compose(c, ["a", "b"])
+        u = refined["usage"]
+        assert [s["path"] for s in refined["skills"]] == ["prefix", "prefix"] and u["composed_tokens"] == 0
+        for got, want in zip(refined["logprobs"], full["logprobs"]):
+            assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+        got_donated = metric("skillcache_refine_tokens_total", kind="donated") - donated
+        got_prefilled = metric("skillcache_refine_tokens_total", kind="prefilled") - prefilled
+        assert (got_donated, got_prefilled) == ((u["prefix_tokens"], 0) if from_full else (0, u["prefix_tokens"]))
+        engine.resume_background()
+        c.portal.call(guard.drain)  # the queued refinement saw the donation and stopped: nothing more prefilled
+        assert metric("skillcache_refine_tokens_total", kind="prefilled") - prefilled == got_prefilled

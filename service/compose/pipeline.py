@@ -7,6 +7,7 @@ become ordinary error responses instead of broken streams.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -95,7 +96,8 @@ class ComposePipeline:
         self.store = store
         self.engine = engine
         self.guard = FidelityGuard(settings, runtime, engine, store)
-        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard)
+        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard,
+                                     settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
@@ -204,10 +206,18 @@ class ComposePipeline:
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
         """Submit to the engine and wait for the first event; returns the event stream."""
         box: dict = {}
+        donate = await self.refiner.wanted(prep.params.namespace, prep.plan) if prep.mode == "full" else 0
+        loop = asyncio.get_running_loop()
 
         def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
             box["pre"] = pre
+            if donate:  # its K/V through a head refinement wants are that head's exact prefix
+                from service.kv.cache import head_block
+
+                block = head_block(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
+                coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
+                loop.call_soon_threadsafe(self.guard.spawn, coro)
 
         steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
                                       prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens)

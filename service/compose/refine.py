@@ -7,7 +7,8 @@ sends the same skills in the same order again and again (an agent re-sending its
 SKILLCACHE_REFINE_AFTER times, the serving engine prefills it in full as background work (its guaranteed share,
 in chunks: a live request waits behind one chunk at most), starting from the longest exact prefix already held
 (refining `[A, B, C]` after `[A, B]` prefills only C's part), and stores it like a block: memory, disk and Redis
-tiers, so every replica serves it. Requests that open with it copy it as an exact prefix (no rotation, no seams)
+tiers, so every replica serves it. A live `mode=full` request that opens with a wanted head has computed exactly that
+prefix: it donates its K/V instead (SKILLCACHE_REFINE_FROM_FULL), and the background prefill is dropped. Requests that open with it copy it as an exact prefix (no rotation, no seams)
 and compose only what follows.
 
 A head is a prefix the prompt shares with others at a boundary: through the second, third... skill, or through
@@ -39,14 +40,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _SEEN_MAX = 4096  # heads whose composition count is remembered (LRU)
+_DONATED = object()  # a background refinement's value when a live full prefill gave the prefix first
 
 
 class PrefixRefiner:
-    def __init__(self, after: int, chunk: int, runtime, store: "TieredStore", guard: "FidelityGuard") -> None:
-        self.after, self.chunk = after, chunk  # after 0: off
+    def __init__(self, after: int, chunk: int, runtime, store: "TieredStore", guard: "FidelityGuard",
+                 from_full: bool = True) -> None:
+        self.after, self.chunk, self.from_full = after, chunk, from_full  # after 0: off
         self.rt, self.store, self.guard = runtime, store, guard
         self._seen: OrderedDict[str, int] = OrderedDict()  # key -> compositions served
         self._pending: set[str] = set()
+        self._donated: OrderedDict[str, None] = OrderedDict()  # keys a full prefill gave (LRU, read by the engine)
 
     def key(self, namespace: str, ids: list[int]) -> BlockKey:
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
@@ -92,11 +96,11 @@ class PrefixRefiner:
                 break  # this head and the shorter ones are exact already
             k = str(self.key(namespace, plan.ids[:end]))
             self._seen[k] = self._seen.pop(k, 0) + 1
-            if target is None and self._seen[k] >= self.after and k not in self._pending:
-                target = (end, k, self._seen[k])
+            if target is None and self._seen[k] >= self.after:  # a pending one gives the shorter heads too
+                target = (end, k, self._seen[k]) if k not in self._pending else False
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
-        if target is not None:
+        if target:
             end, k, count = target
             self._pending.add(k)
             benefit = count * (end - n_prefix)  # tokens this would have made exact, so far
@@ -104,14 +108,51 @@ class PrefixRefiner:
             if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, benefit)):
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
 
+    async def wanted(self, namespace: str, plan: "PromptPlan") -> int:
+        """Where the longest head of `plan` that refinement wants and does not hold yet ends (a refinement pending, or
+        composed `after` times), for a full prefill of `plan` to donate (0: none, or donation is off)."""
+        if not self.from_full or not self._eligible(plan):
+            return 0
+        for end in self.heads(plan):
+            k = str(self.key(namespace, plan.ids[:end]))
+            if k in self._pending or self._seen.get(k, 0) >= self.after:
+                return 0 if await self._held(namespace, plan.ids, [end]) is not None else end
+        return 0
+
+    async def donate(self, namespace: str, plan: "PromptPlan", block: "KVBlock") -> None:
+        """A live full prefill's first `block.n_tokens` tokens, a head `wanted` named: keep them as its refined prefix;
+        the head's background refinement, queued or under way, stops at its next step."""
+        key = str(self.key(namespace, block.token_ids))
+        self._donated[key] = None
+        while len(self._donated) > _SEEN_MAX:
+            self._donated.popitem(last=False)
+        await self.store.put(self.key(namespace, block.token_ids), block)
+        await self._put_skills_level(namespace, block, [e for e in self.heads(plan) if e < block.n_tokens],
+                                      None)
+        self._seen.pop(key, None)
+        metrics.REFINED_PREFIXES.inc()
+        metrics.REFINE_TOKENS.labels("donated").inc(block.n_tokens)
+        log.info("a full prefill donated a %d-token prompt head as its exact prefix", block.n_tokens)
+
+    def _unless_donated(self, key: str, steps):
+        """`steps`, stopped between two steps once a full prefill has donated this prefix."""
+        while key not in self._donated:
+            try:
+                n = next(steps)
+            except StopIteration as done:
+                return done.value
+            yield n
+        steps.close()
+        return _DONATED
+
     async def _refine(self, namespace: str, ids: list[int], shorter: list[int], benefit: int) -> None:
         key = self.key(namespace, ids)
         try:
             held = await self._held(namespace, ids, shorter)
-            block = await self.guard.run_background(self.rt.exact_prefix_steps(ids, self.chunk, held),
-                                                    priority=-float(benefit))
-            if block is None:
-                return  # the engine's background backlog was full: a later request tries again
+            steps = self._unless_donated(str(key), self.rt.exact_prefix_steps(ids, self.chunk, held))
+            block = await self.guard.run_background(steps, priority=-float(benefit))
+            if block is None or block is _DONATED:
+                return  # the background backlog was full (a later request tries again), or a full prefill gave it
             await self.store.put(key, block)
             await self._put_skills_level(namespace, block, shorter, held)
             n_held = held.n_tokens if held is not None else 0
@@ -123,6 +164,7 @@ class PrefixRefiner:
                      len(ids), len(ids) - n_held, n_held)
         finally:
             self._pending.discard(str(key))
+            self._donated.pop(str(key), None)
 
     async def _put_skills_level(self, namespace: str, block: "KVBlock", shorter: list[int],
                                 held: "KVBlock | None") -> None:

@@ -135,6 +135,14 @@ def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprin
                    base=base)
 
 
+def head_block(cache: DynamicCache, token_ids: list[int], model_fingerprint: str) -> KVBlock:
+    """Copy the first len(token_ids) tokens of a cache prefilled from position 0 as a base-0 block."""
+    n = len(token_ids)
+    keys = [layer.keys[:, :, :n].clone() for layer in cache.layers]  # [1, H_kv, n, D]
+    values = [layer.values[:, :, :n].clone() for layer in cache.layers]
+    return KVBlock(keys=keys, values=values, token_ids=list(token_ids), model_fingerprint=model_fingerprint, base=0)
+
+
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.layers[layer].keys, cache.layers[layer].values
 
