@@ -34,17 +34,19 @@ CONFIGS = {
 }
 
 
-def load_runtime(model: str, device: str = "auto", dtype: str = "auto", chat_template: str | None = None):
-    """'embedded', a .gguf file, a HF id / local dir (`chat_template`: as SKILLCACHE_CHAT_TEMPLATE), or one of
-    CONFIGS (random weights, the embedded tokenizer: from the directory in SKILLCACHE_BENCH_TOKENIZER when set, as
-    on a GPU machine without the GGUF)."""
+def load_runtime(model: str, device: str = "auto", dtype: str = "auto", chat_template: str | None = None,
+                 packed: bool = True):
+    """'embedded', a .gguf file, a HF id / local dir (`chat_template`: as SKILLCACHE_CHAT_TEMPLATE; `packed`: as
+    SKILLCACHE_PACKED_DECODE), or one of CONFIGS (random weights, the embedded tokenizer: from the directory in
+    SKILLCACHE_BENCH_TOKENIZER when set, as on a GPU machine without the GGUF)."""
     from service.config import Settings
     from service.runtime import build_runtime
     from service.runtime.engine import ModelRuntime
     from service.runtime.loader import LoadedModel, resolve_device, resolve_dtype
 
     if model not in CONFIGS:
-        return build_runtime(Settings(model=model, device=device, dtype=dtype, chat_template=chat_template))
+        return build_runtime(Settings(model=model, device=device, dtype=dtype, chat_template=chat_template,
+                                      packed_decode=packed))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if os.environ.get("SKILLCACHE_BENCH_TOKENIZER"):

@@ -2,7 +2,8 @@
 
     python bench/formats.py --json bench/out/formats.json
 
-Formats (SKILLCACHE_DTYPE / SKILLCACHE_QUANTIZATION): float32; bfloat16; int8 (weight-only int8 linear layers,
+Formats (SKILLCACHE_DTYPE / SKILLCACHE_QUANTIZATION / SKILLCACHE_PACKED_DECODE): float32 (float32 matmuls
+everywhere); packed (the default: float32, decode steps on the GGUF's own Q4_1/Q8_0 blocks, service/runtime/packed.py); bfloat16; int8 (weight-only int8 linear layers,
 bfloat16 products, float32 elsewhere: service/runtime/quantize.py); w8a8 (int8 weights and per-token int8
 activations); each quantized one also with bfloat16 elsewhere (+bf16, K/V included). For each, in one process, the embedded model:
   speed    a --prefill-tokens full prefill (one forward), and the decode step of the serving engine's batch
@@ -25,13 +26,15 @@ from common import corpus_ids, load_runtime, write_json
 from decode import _batched
 from fidelity import COMPOSITIONS, QUESTIONS, SYSTEMS, greedy_ids, logit_stats, shipped_skills
 
-FORMATS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-           "int8+bf16": ("bfloat16", "int8"), "w8a8": ("float32", "w8a8"), "w8a8+bf16": ("bfloat16", "w8a8")}
+FORMATS = {"float32": ("float32", None, False), "packed": ("float32", None, True),
+           "bfloat16": ("bfloat16", None, False), "int8": ("float32", "int8", False),
+           "int8+bf16": ("bfloat16", "int8", False), "w8a8": ("float32", "w8a8", False),
+           "w8a8+bf16": ("bfloat16", "w8a8", False)}
 
 
 def runtime(fmt: str):
-    dtype, quant = FORMATS[fmt]
-    rt = load_runtime("embedded", "cpu", dtype)
+    dtype, quant, packed = FORMATS[fmt]
+    rt = load_runtime("embedded", "cpu", dtype, packed=packed)
     if quant:
         from service.runtime.quantize import quantize_linears
 

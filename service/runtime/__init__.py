@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from service.config import Settings
+
+log = logging.getLogger(__name__)
 
 
 def build_runtime(settings: Settings):
@@ -23,6 +27,12 @@ def build_runtime(settings: Settings):
         from service.runtime.quantize import quantize_linears
 
         quantize_linears(loaded.model, settings.quantization)
+    elif settings.packed_decode:
+        from service.runtime.packed import pack_linears
+
+        counts = pack_linears(loaded.model)
+        if counts:
+            log.info("packed decode: %s linears run decode steps on their blocks", counts)
     fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
                            quantization=settings.quantization)
     return ModelRuntime(loaded, fp)

@@ -1,0 +1,142 @@
+"""Packed decode: a decode step's linears read the weights in the block format they were quantized in.
+
+A GGUF model's weights arrive quantized (the embedded SmolLM2: Q4_1 for every linear, Q8_0 for the tied embedding
+and LM head) and are loaded as the float32 values those blocks decode to. A decode step of a few rows is bound by
+reading the weights: 537 MB of float32 per step on the embedded model, ~45 ms of a ~66 ms step on this CPU
+(docs/BENCHMARKS.md, "Packed decode"). The blocks hold the same values in about a quarter of the bytes.
+
+`pack_linears` recovers each linear's blocks from its float32 weight, 32 values a block along the input dimension:
+Q4_1 `w = d * q + m` (q in 0..15, d and m float16: m is the block's minimum, d its range / 15) or Q8_0 `w = d * q`
+(q in -127..127, d = the block's largest magnitude / 127), and keeps them only where they decode back to the very
+same float32 weight, bit for bit. Any other weight (a float16 or bfloat16 checkpoint, random test weights) stays as
+it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, a seam) through one fused kernel
+(torch.compile: dequantize and multiply in float32 without writing the float32 weight out) and longer inputs
+(prefill chunks, bound by compute) through the float32 matmul as before. The arithmetic stays float32 on the same
+weights, so this is the same model; the kernel sums in another order than the BLAS, so its outputs differ from the
+matmul's at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does not depend on how many
+rows the step has, up to `max_rows` (bitwise, tests/runtime/test_packed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+GROUP = 32  # values per block (GGUF's Q4_0/Q4_1/Q8_0)
+MAX_ROWS = 4  # decode steps of more rows: the float32 matmul is faster here (docs/BENCHMARKS.md, "Packed decode")
+
+
+def _dot_blocks(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, q [N, K] int8, d, m [N, K/G] float16 -> x W^T as [N, M] (N outer: a weight row is read once
+    for all M rows)."""
+    n, k = q.shape
+    w = q.view(n, 1, k // GROUP, GROUP).float() * d.float()[:, None, :, None] + m.float()[:, None, :, None]
+    return (w * x.view(1, -1, k // GROUP, GROUP)).sum((-1, -2))  # [N, M]
+
+
+_compiled = None
+
+
+def _kernel():
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+
+        # one compiled entry per weight shape (and one for a single row): more than dynamo's default of 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled = torch.compile(_dot_blocks, dynamic=False)
+    return _compiled
+
+
+def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
+    """(q int8 [N, K], d, m float16 [N, K/G], kind) that decode to exactly `w` [N, K] float32, or None."""
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % GROUP:
+        return None
+    g = w.detach().view(w.shape[0], -1, GROUP)  # [N, K/G, G]
+    lo = g.amin(-1, keepdim=True)
+    d = ((g.amax(-1, keepdim=True) - lo) / 15).half()
+    q = _levels(g - lo, d, 0, 15)
+    if torch.equal(q * d.float() + lo, g) and torch.equal(lo.half().float(), lo):  # Q4_1
+        return _pack(q, d, lo.half(), w.shape, "q4_1")
+    d = (g.abs().amax(-1, keepdim=True) / 127).half()
+    q = _levels(g, d, -127, 127)
+    if torch.equal(q * d.float(), g):  # Q8_0 (m = 0 adds nothing: d * q + 0.0 == d * q)
+        return _pack(q, d, torch.zeros_like(d), w.shape, "q8_0")
+    return None
+
+
+def _levels(x: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    df = d.float()
+    return torch.where(df > 0, torch.round(x / torch.where(df > 0, df, 1.0)), 0.0).clamp(lo, hi)
+
+
+def _pack(q, d, m, shape, kind):
+    n, k = shape
+    return q.to(torch.int8).reshape(n, k), d.reshape(n, k // GROUP), m.reshape(n, k // GROUP), kind
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear whose few-row inputs run on the weight's blocks; `weight` is the original float32 parameter (shared:
+    a tied LM head keeps the embedding's)."""
+
+    def __init__(self, linear: nn.Linear, blocks, max_rows: int = MAX_ROWS) -> None:
+        super().__init__()
+        q, d, m, self.kind = blocks
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("q", q, persistent=False)  # [N, K] int8
+        self.register_buffer("d", d, persistent=False)  # [N, K/G] float16
+        self.register_buffer("m", m, persistent=False)
+        self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features).contiguous()  # [M, K]
+        if rows > 1:
+            torch._dynamo.mark_dynamic(x2, 0)  # one kernel for 2..max_rows rows
+        y = _kernel()(x2, self.q, self.d, self.m).t()  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks <= {self.max_rows} rows"
+
+
+def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
+    """Replace every nn.Linear whose weight is exactly a Q4_1 / Q8_0 block format with a PackedLinear, compile and
+    check the kernel; counts by kind ({} when nothing was packed, or the kernel could not be compiled here)."""
+    found = [(name, mod, recover_blocks(mod.weight)) for name, mod in model.named_modules()
+             if isinstance(mod, nn.Linear) and mod.weight.device.type == "cpu"]
+    packed = [(name, PackedLinear(mod, blocks, max_rows)) for name, mod, blocks in found if blocks is not None]
+    if not packed:
+        return {}
+    try:
+        _warm({(p.q.shape, p.q.dtype): p for _, p in packed}.values(), max_rows)
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, an unsupported platform: stay on float32 matmuls
+        log.warning("packed decode off: the kernel did not compile (%s); decode steps use float32 matmuls", e)
+        return {}
+    originals = dict(model.named_modules())
+    for name, p in packed:
+        parent_name, _, child = name.rpartition(".")
+        setattr(originals[parent_name] if parent_name else model, child, p)
+    counts: dict[str, int] = {}
+    for _, p in packed:
+        counts[p.kind] = counts.get(p.kind, 0) + 1
+    return counts
+
+
+@torch.inference_mode()
+def _warm(linears, max_rows: int) -> None:
+    """Compile each weight shape for one row and for several, and check the kernel against the float32 matmul."""
+    for p in linears:
+        for rows in sorted({1, min(2, max_rows)}):
+            x = torch.randn(rows, p.in_features)
+            got, want = p(x), F.linear(x, p.weight, p.bias)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
+                raise RuntimeError(f"the packed kernel differs from the float32 matmul on {tuple(p.q.shape)}")

@@ -1,0 +1,149 @@
+"""Packed decode (service/runtime/packed.py): block-quantized weights recovered bit for bit from float32, a fused
+kernel for few rows that matches the float32 matmul at rounding level and does not depend on the row count, the
+float32 matmul for long inputs, and a model that decodes as before."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.kv.cache import new_cache
+from service.runtime import packed
+from service.runtime.engine import ModelRuntime
+from service.runtime.packed import GROUP, PackedLinear, pack_linears, recover_blocks
+from service.runtime.serving.runner import DecodeBatch
+from tiny import random_ids, tiny_runtime
+
+
+def _q4_1(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to GGUF Q4_1 blocks, decoded to float32 as the GGUF loader does (d * q + m, float16 d and m)."""
+    g = w.detach().float().view(w.shape[0], -1, GROUP)
+    m = g.amin(-1, keepdim=True).half().float()
+    d = ((g.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((g - m) / d).clamp(0, 15)
+    return (q * d + m).view_as(w)
+
+
+def _q8_0(w: torch.Tensor) -> torch.Tensor:
+    g = w.detach().float().view(w.shape[0], -1, GROUP)
+    d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(g / d).clamp(-127, 127) * d).view_as(w)
+
+
+@pytest.mark.parametrize("fmt", [_q4_1, _q8_0])
+def test_blocks_are_recovered_bit_for_bit(fmt):
+    torch.manual_seed(0)
+    w = fmt(torch.randn(48, 4 * GROUP))
+    q, d, m, kind = recover_blocks(w)
+    assert kind == {_q4_1: "q4_1", _q8_0: "q8_0"}[fmt] and q.dtype == torch.int8 and d.dtype == torch.float16
+    decoded = q.view(48, -1, GROUP).float() * d.float()[..., None] + m.float()[..., None]
+    assert torch.equal(decoded.view_as(w), w)
+
+
+def test_other_weights_are_not_blocks():
+    torch.manual_seed(0)
+    w = torch.randn(48, 4 * GROUP)
+    assert recover_blocks(w) is None  # float32 values that are no block format
+    assert recover_blocks(_q4_1(w).bfloat16()) is None  # not float32
+    assert recover_blocks(torch.randn(48, GROUP + 3)) is None  # rows not a whole number of blocks
+    almost = _q4_1(w)
+    almost[3, 7] = torch.nextafter(almost[3, 7], torch.tensor(1.0))  # one value off by one ulp
+    assert recover_blocks(almost) is None
+
+
+def _linear(n=96, k=4 * GROUP, bias=False):
+    torch.manual_seed(1)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(_q4_1(lin.weight))
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_match_float32_and_many_rows_are_the_matmul(bias):
+    lin = _linear(bias=bias)
+    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8)
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        for shape in [(1, 1, lin.in_features), (2, 3, lin.in_features), (8, lin.in_features)]:
+            x = torch.randn(*shape)
+            got, want = p(x), lin(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        x = torch.randn(9, lin.in_features)
+        assert torch.equal(p(x), lin(x))  # past max_rows: the float32 matmul itself
+
+
+def test_a_row_does_not_depend_on_the_row_count():
+    lin = _linear()
+    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8)
+    torch.manual_seed(3)
+    x = torch.randn(8, lin.in_features)
+    with torch.inference_mode():
+        whole = p(x)
+        for rows in (1, 2, 5):
+            assert torch.equal(p(x[:rows].contiguous()), whole[:rows])
+
+
+def _block_runtime() -> tuple[ModelRuntime, ModelRuntime]:
+    """A tiny llama whose linears are Q4_1 (the LM head Q8_0), and a packed copy of it."""
+    base = tiny_runtime("llama")
+    loaded = copy.deepcopy(base.loaded)  # tiny runtimes are shared between tests
+    with torch.no_grad():
+        for name, mod in loaded.model.named_modules():
+            if isinstance(mod, nn.Linear):
+                mod.weight.copy_(_q8_0(mod.weight) if name.endswith("lm_head") else _q4_1(mod.weight))
+    return ModelRuntime(loaded, base.fingerprint), ModelRuntime(copy.deepcopy(loaded), base.fingerprint)
+
+
+def test_a_block_quantized_model_decodes_as_before():
+    rt, fast = _block_runtime()
+    counts = pack_linears(fast.model)
+    n_linear = sum(isinstance(m, nn.Linear) for m in rt.model.modules())
+    assert sum(counts.values()) == n_linear and counts.get("q4_1", 0) >= n_linear - 1
+    assert not any(type(m) is nn.Linear for m in fast.model.modules())
+    prompts = [random_ids(n, seed=n) for n in (6, 31, 17)]
+
+    def decode(r):
+        batch, toks, out = DecodeBatch(r), [], []
+        for p in prompts:
+            c = new_cache(r.model.config)
+            toks.append(int(r.forward(p, 0, c).argmax()))
+            batch.join(c, 64)
+        for _ in range(6):
+            logits = batch.step(toks)
+            out.append(logits)
+            toks = logits.argmax(-1).tolist()
+        return out
+
+    with torch.inference_mode():
+        for want, got in zip(decode(rt), decode(fast)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        # a prefill chunk stays on the float32 matmul: the same K/V, bit for bit (its one row of logits: packed)
+        c1, c2 = new_cache(rt.model.config), new_cache(fast.model.config)
+        torch.testing.assert_close(fast.forward(prompts[1], 0, c2), rt.forward(prompts[1], 0, c1), rtol=1e-4, atol=1e-4)
+        for a, b in zip(c1.layers, c2.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_random_weights_are_left_alone():
+    rt = tiny_runtime("llama")
+    assert pack_linears(rt.model) == {}
+    assert all(type(m) is not PackedLinear for m in rt.model.modules())
+
+
+def test_no_compiler_leaves_the_model_on_float32(monkeypatch):
+    _, fast = _block_runtime()
+
+    def broken():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(packed, "_kernel", broken)
+    assert pack_linears(fast.model) == {}
+    assert all(type(m) is not PackedLinear for m in fast.model.modules())
+    x = torch.randn(2, fast.model.config.hidden_size)
+    lin = fast.model.model.layers[0].mlp.up_proj
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
