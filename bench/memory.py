@@ -47,6 +47,7 @@ def agreement(a, b) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--chat-template", help="as SKILLCACHE_CHAT_TEMPLATE (gemma for the Gemma-3 GGUF, which has none)")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--memory-tokens", type=int, default=2000)
     ap.add_argument("--edit-every", type=int, default=3)
@@ -66,7 +67,7 @@ def main() -> None:
     from service.runtime.late import late_turn_steps
     from service.runtime.params import GenParams
 
-    rt = load_runtime(args.model)
+    rt = load_runtime(args.model, chat_template=args.chat_template)
     gen = GenParams(max_tokens=args.max_tokens)
     mem, facts = memory_text(lambda t: len(rt.prompts.encode_content(t)), args.memory_tokens)
     plan_turns = schedule(facts, args.turns, args.edit_every)
@@ -115,9 +116,10 @@ def main() -> None:
             def control(rotator=None, seam=None):  # ours' turn on a copy of the session's cache
                 copy = cache_from_block(rt.model.config, block_from_cache(live.cache, live.ids, rt.fingerprint))
                 seams = late.seams if seam is None else [seam] * len(late.blocks)
-                return run_steps(late_turn_steps(rt, copy, live.ids, plan, late.blocks, seams, rotator=rotator)).logits
+                pre = run_steps(late_turn_steps(rt, copy, live.ids, plan, late.blocks, seams, rotator=rotator))
+                return pre.logits.clone(), [e for e in generate(rt, pre, gen) if isinstance(e, Done)][0].text
 
-            no_rot, no_seam = control(rotator=NoRotation()), control(seam=0)
+            (no_rot, no_rot_text), (no_seam, no_seam_text) = control(rotator=NoRotation()), control(seam=0)
             t1 = time.perf_counter()
             full = rt.prefill(plan, [], mode="full")
             full_ms = (time.perf_counter() - t1) * 1e3
@@ -146,13 +148,15 @@ def main() -> None:
                 "cosine": ours["cosine"], "top1": ours["top1_agree"], "decisive": ours["decisive"], "kl": ours["kl"],
                 "greedy_same": r["text"] == full_text, "ours_text": r["text"], "full_text": full_text,
                 **{f"{name}_{k}": v for name, logits in (("norot", no_rot), ("noseam", no_seam))
-                   for k, v in agreement(logits, full.logits).items() if k in ("cosine", "top1_agree", "kl")}})
+                   for k, v in agreement(logits, full.logits).items() if k in ("cosine", "top1_agree", "kl")},
+                "norot_greedy_same": no_rot_text == full_text, "noseam_greedy_same": no_seam_text == full_text})
             x = rows[-1]
             print(f"turn {x['turn']:2d} edit={str(x['edit']):9s} prompt={x['prompt_tokens']:5d} "
                   f"recomputed ours/early/full={x['ours_recomputed']}/{x['early_recomputed']}/{x['full_recomputed']} "
                   f"ttft ours={x['ours_ttft_ms']:.0f}+{edit_ms:.0f} early={early_ms:.0f} full={full_ms:.0f} ms "
                   f"cos={x['cosine']:.4f} top1={x['top1']} greedy={x['greedy_same']} "
-                  f"norot={x['norot_cosine']:.4f}/{x['norot_top1_agree']} noseam={x['noseam_cosine']:.4f}", flush=True)
+                  f"norot={x['norot_cosine']:.4f}/{x['norot_top1_agree']}/{x['norot_greedy_same']} "
+                  f"noseam={x['noseam_cosine']:.4f}/{x['noseam_greedy_same']}", flush=True)
     summary = summarize(rows, ours_setup_ms, early_setup_ms)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
     write_json(args.json, {"model": rt.loaded.name, "memory_tokens": m["n_tokens"], "threads": torch.get_num_threads(),
@@ -175,7 +179,8 @@ def summarize(rows: list[dict], ours_setup_ms: float, early_setup_ms: float) -> 
         "greedy_agreement": sum(x["greedy_same"] for x in rows) / n,
         "kl_mean": sum(x["kl"] for x in rows) / n,
         **{f"{arm}_{k}": sum(x[f"{arm}_{key}"] for x in rows) / n for arm in ("norot", "noseam")
-           for k, key in (("cosine_mean", "cosine"), ("top1_agreement", "top1_agree"), ("kl_mean", "kl"))},
+           for k, key in (("cosine_mean", "cosine"), ("top1_agreement", "top1_agree"), ("kl_mean", "kl"),
+                          ("greedy_agreement", "greedy_same"))},
     }
 
 

@@ -2,6 +2,7 @@
 the KV budget, cancellation and the background share."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -187,6 +188,36 @@ async def test_background_work_gets_its_share_under_load_and_all_when_idle(rt):
         await stream.aclose()
         bg.cancel_event.set()
         assert await eng.run_steps(bg_steps(3), background=True) == "done"
+    finally:
+        eng.stop()
+
+
+async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goes_first(rt):
+    """Background work queued while a request runs starts only `background_idle_s` after the last live step; a
+    request sent in that moment (a client's next request right after a response) runs first, not behind it."""
+    eng = await _engine(rt, max_running=4, background_share=0.0, background_idle_s=0.4)
+    order = []
+
+    def bg_steps():
+        order.append(("background", time.monotonic()))
+        yield 1
+        return "done"
+
+    try:
+        first = _submit(eng, rt, random_ids(12, seed=1), GenParams(max_tokens=3))
+        stream = first.stream()
+        await anext(stream)
+        bg = eng.submit_steps(bg_steps(), background=True)  # share 0: it cannot run while the request is live
+        async for _ in stream:
+            pass
+        t_done = time.monotonic()
+        await asyncio.sleep(0.05)
+        second = await _collect(_submit(eng, rt, random_ids(9, seed=2), GenParams(max_tokens=2)))
+        order.append(("second", time.monotonic()))
+        assert isinstance(second[-1], Done)
+        assert await bg.result() == "done"
+        assert [name for name, _ in order] == ["second", "background"]
+        assert order[1][1] - t_done >= 0.35  # idle for background_idle_s after the second request's last step
     finally:
         eng.stop()
 

@@ -4,7 +4,8 @@ Request threads submit work and get a Job (work.py); everything that touches the
 request's cache runs here, on one thread (torch is imported here only once a model is bound, so the API can import
 this module without it). A step: free the rows of requests that hung up, admit queued work, live prefill steps
 within the token budget, one batched decode forward over the running sequences (runner.py), then a background step
-when its share is due.
+when its share is due. On an idle engine background work waits `background_idle_s` after the last live step, so a
+client's next request is not queued behind a background step that started in the moment between two requests.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class EngineConfig:
     queue_size: int = 32
     kv_budget_bytes: int = 4 * 1024**3
     background_share: float = 0.2
+    background_idle_s: float = 0.1
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
-        return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share)
+        return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
+                   s.background_idle_ms / 1e3)
 
 
 class ServingEngine:
@@ -49,6 +52,7 @@ class ServingEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._in_step = False
+        self._t_live = 0.0  # when the last step with live work ended (monotonic)
         self.thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
         self.thread.start()
 
@@ -131,8 +135,8 @@ class ServingEngine:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not self._stopping and not self.sched.has_work():
-                        self._wake.wait()
+                    while not self._stopping and not self._due():
+                        self._wake.wait(self._idle_left() or None)
                     if self._stopping:
                         break
                 self._in_step = True
@@ -144,6 +148,14 @@ class ServingEngine:
                     self._in_step = False
         for w in self.sched.drain_all():
             w.close()
+
+    def _due(self) -> bool:
+        """Is there work to step now: live work, or background work once the engine has been idle long enough?"""
+        return self.sched.has_live() or (self.sched.has_work() and not self._idle_left())
+
+    def _idle_left(self) -> float:
+        """Seconds until background work may start on an idle engine (0: now)."""
+        return max(0.0, self._t_live + self.config.background_idle_s - time.monotonic())
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -168,6 +180,7 @@ class ServingEngine:
         metrics.KV_BYTES.set(self.kv_bytes())
         if live_pending:
             metrics.STEP_TIME.observe(time.perf_counter() - t0)
+            self._t_live = time.monotonic()
 
     def _advance(self, work: Work) -> int:
         """One step of `work`; a failure goes to its request only."""

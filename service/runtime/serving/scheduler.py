@@ -64,6 +64,9 @@ class Scheduler:
     def n_sequences(self) -> int:
         return len(self.running) + sum(w.is_sequence for w in self.active)
 
+    def has_live(self) -> bool:
+        return bool(self.waiting or self.active or self.running)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self.running or (self.background and not self.background_paused))
 
