@@ -76,11 +76,6 @@ EOF
 
 # ---------------------------------------------------------------------------------------------------------------
 FROM python AS runtime
-# g++: torch.compile builds the packed decode kernels at start-up (SKILLCACHE_PACKED_DECODE, docs/OPERATIONS.md);
-# without a compiler the service decodes on float32 matmuls, ~1.6x slower per token on the CPU.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
- && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 skillcache \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/skillcache --create-home \
       --shell /usr/sbin/nologin skillcache \
@@ -100,7 +95,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     SKILLCACHE_HOME=/data \
     SKILLCACHE_SKILLS_DIR=/app/skills \
     HF_HOME=/data/huggingface \
-    TORCHINDUCTOR_CACHE_DIR=/data/torchinductor \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 VOLUME ["/data"]

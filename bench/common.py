@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def load_runtime(model: str, device: str = "auto", dtype: str = "auto", chat_template: str | None = None,
-                 packed: bool = True):
+                 packed: bool = False):
     """'embedded', a .gguf file, a HF id / local dir (`chat_template`: as SKILLCACHE_CHAT_TEMPLATE; `packed`: as
     SKILLCACHE_PACKED_DECODE), or one of CONFIGS (random weights, the embedded tokenizer: from the directory in
     SKILLCACHE_BENCH_TOKENIZER when set, as on a GPU machine without the GGUF)."""
