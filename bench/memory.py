@@ -47,7 +47,9 @@ def agreement(a, b) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--chat-template", help="as SKILLCACHE_CHAT_TEMPLATE (gemma for the Gemma-3 GGUF, which has none)")
+    ap.add_argument("--chat-template", help="as SKILLCACHE_CHAT_TEMPLATE; one that keeps a system turn of its own "
+                    "(the early arm prefills the system turn alone: Gemma-3's template, which folds it into the "
+                    "first user turn, cannot)")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--memory-tokens", type=int, default=2000)
     ap.add_argument("--edit-every", type=int, default=3)
