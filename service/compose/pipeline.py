@@ -96,8 +96,8 @@ class ComposePipeline:
         self.store = store
         self.engine = engine
         self.guard = FidelityGuard(settings, runtime, engine, store)
-        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store, self.guard,
-                                     settings.refine_from_full)
+        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store,
+                                     self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
@@ -213,9 +213,9 @@ class ComposePipeline:
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
             box["pre"] = pre
             if donate:  # its K/V through a head refinement wants are that head's exact prefix
-                from service.kv.cache import head_block
+                from service.kv.cache import block_from_cache
 
-                block = head_block(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
+                block = block_from_cache(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
                 coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
                 loop.call_soon_threadsafe(self.guard.spawn, coro)
 

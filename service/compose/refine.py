@@ -7,9 +7,9 @@ sends the same skills in the same order again and again (an agent re-sending its
 SKILLCACHE_REFINE_AFTER times, the serving engine prefills it in full as background work (its guaranteed share,
 in chunks: a live request waits behind one chunk at most), starting from the longest exact prefix already held
 (refining `[A, B, C]` after `[A, B]` prefills only C's part), and stores it like a block: memory, disk and Redis
-tiers, so every replica serves it. A live `mode=full` request that opens with a wanted head has computed exactly that
-prefix: it donates its K/V instead (SKILLCACHE_REFINE_FROM_FULL), and the background prefill is dropped. Requests that open with it copy it as an exact prefix (no rotation, no seams)
-and compose only what follows.
+tiers, so every replica serves it. A live `mode=full` request that opens with a wanted head has computed exactly
+that prefix: it donates its K/V instead (SKILLCACHE_REFINE_FROM_FULL), and the background prefill stops. Requests
+that open with it copy it as an exact prefix (no rotation, no seams) and compose only what follows.
 
 A head is a prefix the prompt shares with others at a boundary: through the second, third... skill, or through
 the whole system turn (the skills, the system text and errata lines) up to the first message. Each is counted;
@@ -122,13 +122,13 @@ class PrefixRefiner:
     async def donate(self, namespace: str, plan: "PromptPlan", block: "KVBlock") -> None:
         """A live full prefill's first `block.n_tokens` tokens, a head `wanted` named: keep them as its refined prefix;
         the head's background refinement, queued or under way, stops at its next step."""
-        key = str(self.key(namespace, block.token_ids))
+        block_key = self.key(namespace, block.token_ids)
+        key = str(block_key)
         self._donated[key] = None
         while len(self._donated) > _SEEN_MAX:
             self._donated.popitem(last=False)
-        await self.store.put(self.key(namespace, block.token_ids), block)
-        await self._put_skills_level(namespace, block, [e for e in self.heads(plan) if e < block.n_tokens],
-                                      None)
+        await self.store.put(block_key, block)
+        await self._put_skills_level(namespace, block, [e for e in self.heads(plan) if e < block.n_tokens], None)
         self._seen.pop(key, None)
         metrics.REFINED_PREFIXES.inc()
         metrics.REFINE_TOKENS.labels("donated").inc(block.n_tokens)

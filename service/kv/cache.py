@@ -126,21 +126,15 @@ def append_kv(cache: DynamicCache, keys: list[torch.Tensor], values: list[torch.
 
 
 def block_from_cache(cache: DynamicCache, token_ids: list[int], model_fingerprint: str, base: int = 0) -> KVBlock:
-    """Snapshot the last len(token_ids) tokens of a cache (prefilled at base..base+N-1) as a KVBlock."""
+    """Snapshot the len(token_ids) tokens a cache holds from position `base` on (prefilled at base..base+N-1) as a
+    KVBlock; tokens after them are left out (base 0: a prompt's head)."""
+    end = base + len(token_ids)
     keys, values = [], []
     for layer in cache.layers:
-        keys.append(layer.keys[:, :, base:].detach().clone())  # [1, H_kv, N, D]
-        values.append(layer.values[:, :, base:].detach().clone())
+        keys.append(layer.keys[:, :, base:end].detach().clone())  # [1, H_kv, N, D]
+        values.append(layer.values[:, :, base:end].detach().clone())
     return KVBlock(keys=keys, values=values, token_ids=list(token_ids), model_fingerprint=model_fingerprint,
                    base=base)
-
-
-def head_block(cache: DynamicCache, token_ids: list[int], model_fingerprint: str) -> KVBlock:
-    """Copy the first len(token_ids) tokens of a cache prefilled from position 0 as a base-0 block."""
-    n = len(token_ids)
-    keys = [layer.keys[:, :, :n].clone() for layer in cache.layers]  # [1, H_kv, n, D]
-    values = [layer.values[:, :, :n].clone() for layer in cache.layers]
-    return KVBlock(keys=keys, values=values, token_ids=list(token_ids), model_fingerprint=model_fingerprint, base=0)
 
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

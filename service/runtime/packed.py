@@ -108,7 +108,8 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks <= {self.max_rows} rows"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks "
+                f"<= {self.max_rows} rows")
 
 
 def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
