@@ -98,9 +98,9 @@ class Settings(BaseSettings):
     # the serving engine (service/runtime/serving): iteration-level scheduling
     max_running_seqs: int = Field(16, ge=1, description="sequences decoding together in one batch; 1 serves one "
                                   "request at a time (the serial engine, for A/B)")
-    step_token_budget: int = Field(512, ge=2, description="tokens per engine step: one per running sequence, the "
+    step_token_budget: int = Field(1024, ge=2, description="tokens per engine step: one per running sequence, the "
                                    "rest for live prefill chunks")
-    prefill_chunk_tokens: int = Field(256, ge=1, description="a live prefill runs in forwards of at most this many "
+    prefill_chunk_tokens: int = Field(512, ge=1, description="a live prefill runs in forwards of at most this many "
                                       "tokens, so running sequences keep decoding between them")
     kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="K/V of the running sequences (decode batch and "
                                  "prefill caches); a request that does not fit waits; one that never could is 413")

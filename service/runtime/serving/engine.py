@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     max_running: int = 16
-    step_token_budget: int = 512
+    step_token_budget: int = 1024
     queue_size: int = 32
     kv_budget_bytes: int = 4 * 1024**3
     background_share: float = 0.2
