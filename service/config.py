@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     seam_candidates: list[int] = [0, 1, 2, 4, 8, 16, 32, 64]
     fidelity_min_cosine: float = Field(0.999, description="first-token logit cosine vs full recompute")
     fidelity_tie_margin: float = Field(0.05, description="top-1 counts only when p1 - p2 >= this")
-    refine_after: int = Field(2, ge=0, description="prefill a prompt head (two skills or more, in order, and the "
+    refine_after: int = Field(1, ge=0, description="prefill a prompt head (two skills or more, in order, and the "
                               "system turn) in full in the background once it has been composed this many times; "
                               "later requests opening with it copy it as an exact prefix. 0: off")
     refine_from_full: bool = Field(True, description="a mode=full request whose prompt opens with a head that "

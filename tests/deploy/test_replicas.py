@@ -204,7 +204,7 @@ def test_a_prefix_refined_on_a_is_served_by_b_without_a_prefill(cluster):
     body = {"skills": ["pre-p", "pre-q"], "user": "Say OK.", "max_tokens": MAX_TOKENS, "seam_tokens": 2}
     refined = "skillcache_refined_prefixes_total"
     before = a.metric(refined)
-    for _ in range(2):  # composed twice on A (SKILLCACHE_REFINE_AFTER=2): A refines it in the background
+    for _ in range(2):  # composed on A (SKILLCACHE_REFINE_AFTER=1): A refines it in the background
         assert httpx.post(f"{a.url}/v1/compose", json=body, timeout=120).status_code == 200
     deadline = time.monotonic() + 180
     while a.metric(refined) == before:
