@@ -1,5 +1,7 @@
 """Refined prefixes: a repeated skill sequence is prefilled in full when idle and then copied as an exact prefix."""
 
+import logging
+import re
 import time
 
 import pytest
@@ -269,3 +271,26 @@ def test_a_full_prefill_donates_the_head_refinement_wants(tmp_path, from_full):
         engine.resume_background()
         c.portal.call(guard.drain)  # the queued refinement saw the donation and stopped: nothing more prefilled
         assert metric("skillcache_refine_tokens_total", kind="prefilled") - prefilled == got_prefilled
+
+
+def test_a_queued_refinement_moves_ahead_as_its_order_repeats(tmp_path, caplog):
+    """REFINE_AFTER=1, background held: a longer one-off order is queued first, then an order composed three times;
+    the repeated one is refined first (its priority, times composed x tokens, is read when the engine picks)."""
+    with make_client(tmp_path, refine_after=1, background_chunk_tokens=16) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        for name, text in zip("abc", SKILLS):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code == 201
+        guard, engine = state.pipeline.guard, state.engine
+        engine.pause_background()
+        one_off = _compose(c, ["c", "a", "b"])["usage"]["prompt_tokens"]
+        for _ in range(3):
+            repeated = _compose(c, ["a", "b"])["usage"]["prompt_tokens"]
+        assert one_off > repeated  # so by length alone the one-off order would go first
+        caplog.set_level(logging.INFO, logger="service.compose.refine")
+        engine.resume_background()
+        c.portal.call(guard.drain)
+        refined = [int(re.search(r"refined a (\d+)-token", r.getMessage()).group(1)) for r in caplog.records
+                   if r.getMessage().startswith("refined a ")]
+        assert len(refined) == 2 and refined[0] < refined[1], refined  # the repeated order's shorter head first
+        assert _compose(c, ["a", "b"])["usage"]["prefix_tokens"] == refined[0]

@@ -168,7 +168,7 @@ class FidelityGuard:
         if not task.cancelled() and task.exception() is not None:
             log.error("background fidelity job failed: %s", task.exception())
 
-    async def run_background(self, steps, priority: float = 0.0):
+    async def run_background(self, steps, priority=0.0):
         """Run a step generator as background work of the engine; its value (None: the backlog was full)."""
         return await self.engine.run_steps(steps, background=True, priority=priority)
 

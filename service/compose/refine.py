@@ -14,7 +14,8 @@ that open with it copy it as an exact prefix (no rotation, no seams) and compose
 A head is a prefix the prompt shares with others at a boundary: through the second, third... skill, or through
 the whole system turn (the skills, the system text and errata lines) up to the first message. Each is counted;
 the longest whose count reached REFINE_AFTER is refined, so unique system texts or errata still get their skill
-sequence refined. Backlog order: expected benefit (times seen x tokens it would make exact). The key is the
+sequence refined. Backlog order: expected benefit (times seen x tokens it would make exact), read each time the
+engine picks background work, so a queued order that keeps repeating moves ahead of one-off orders. The key is the
 head's token ids, the model fingerprint and the tenant namespace, so a refined prefix is never stale: an edited
 skill, system text or field value is a different head. Requests that edit fields inside a block (`in_place`,
 `field+erratum`) are left alone: those modes define which tokens are recomputed, and an exact prefix would
@@ -103,10 +104,15 @@ class PrefixRefiner:
         if target:
             end, k, count = target
             self._pending.add(k)
-            benefit = count * (end - n_prefix)  # tokens this would have made exact, so far
             shorter = [e for e in self.heads(plan) if e < end]
-            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, benefit)):
+            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, self._benefit(k, end - n_prefix))):
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
+
+    def _benefit(self, k: str, tokens: int):
+        """The backlog priority of refining head `k`: minus the tokens it would have made exact so far (times composed
+        x tokens to prefill), read whenever the engine picks background work, so a queued order that keeps repeating
+        moves ahead of one-off orders queued before it."""
+        return lambda: -float(max(1, self._seen.get(k, 1)) * tokens)
 
     async def wanted(self, namespace: str, plan: "PromptPlan") -> int:
         """Where the longest head of `plan` that refinement wants and does not hold yet ends (a refinement pending, or
@@ -145,12 +151,12 @@ class PrefixRefiner:
         steps.close()
         return _DONATED
 
-    async def _refine(self, namespace: str, ids: list[int], shorter: list[int], benefit: int) -> None:
+    async def _refine(self, namespace: str, ids: list[int], shorter: list[int], priority) -> None:
         key = self.key(namespace, ids)
         try:
             held = await self._held(namespace, ids, shorter)
             steps = self._unless_donated(str(key), self.rt.exact_prefix_steps(ids, self.chunk, held))
-            block = await self.guard.run_background(steps, priority=-float(benefit))
+            block = await self.guard.run_background(steps, priority=priority)
             if block is None or block is _DONATED:
                 return  # the background backlog was full (a later request tries again), or a full prefill gave it
             await self.store.put(key, block)

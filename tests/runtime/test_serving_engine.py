@@ -298,6 +298,25 @@ def test_background_work_runs_lowest_priority_first():
     assert order == ["calibration", "refine-big", "refine-small", "shadow"]
 
 
+def test_a_background_priority_is_read_when_work_is_picked():
+    """A callable priority can change while its work waits: the scheduler picks afresh each time."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        seen = {"repeated": 1}
+        one_off = StepsWork(Job(loop), iter(()), background=True, priority=-50.0)
+        repeated = StepsWork(Job(loop), iter(()), background=True, priority=lambda: -20.0 * seen["repeated"])
+        assert sched.add(one_off) and sched.add(repeated)
+        assert sched.next_background(live_pending=False) is one_off
+        seen["repeated"] = 3  # composed twice more while queued: 60 tokens' worth now
+        assert sched.next_background(live_pending=False) is repeated
+    finally:
+        loop.close()
+
+
 def test_token_stream_text_equals_a_full_decode_however_long(rt):
     """The stream re-decodes a window, not the whole reply per token: its deltas still add up to the full text."""
     from service.runtime.decode import TokenStream

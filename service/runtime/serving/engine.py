@@ -82,12 +82,14 @@ class ServingEngine:
     async def run(self, fn: Callable[[Callable[[], bool]], Any]) -> Any:
         return await self.submit(fn).result()
 
-    def submit_steps(self, steps: Generator[int, None, Any], background: bool = False, priority: float = 0.0) -> Job:
-        """Step-generator work; background work runs in the background share, lowest `priority` first."""
+    def submit_steps(self, steps: Generator[int, None, Any], background: bool = False,
+                     priority: float | Callable[[], float] = 0.0) -> Job:
+        """Step-generator work; background work runs in the background share, lowest `priority` first (a callable
+        is read each time background work is picked)."""
         return self._submit(StepsWork(Job(asyncio.get_running_loop()), steps, background, priority))
 
     async def run_steps(self, steps: Generator[int, None, Any], background: bool = False,
-                        priority: float = 0.0) -> Any:
+                        priority: float | Callable[[], float] = 0.0) -> Any:
         """Its value; None for background work dropped because the backlog is full."""
         return await self.submit_steps(steps, background, priority).result()
 

@@ -13,7 +13,6 @@ and model runner; here those are this file, the KV accounting in engine.py and r
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 import time
@@ -37,7 +36,7 @@ class Scheduler:
         self.waiting: deque[Work] = deque()  # live work not admitted yet, arrival order
         self.active: list[Work] = []  # admitted live work with steps left: prefilling sequences, compiles, calls
         self.running: list[SequenceWork] = []  # decoding: running[i] is row i of the decode batch
-        self.background: list[tuple[float, int, Work]] = []  # heap: (priority, arrival, work)
+        self.background: list[Work] = []  # backlog, at most background_backlog: lowest priority first, then arrival
         self.background_paused = False  # ServingEngine.pause_background: background work waits, queued
         self.live_s = self.background_s = 0.0  # busy time in the decaying window
         self._t_account = time.monotonic()
@@ -50,7 +49,7 @@ class Scheduler:
             if work.background:
                 if len(self.background) >= self.background_backlog:
                     return False
-                heapq.heappush(self.background, (work.priority, work.seq_no, work))
+                self.background.append(work)
                 return True
             if len(self.waiting) >= self.queue_size:
                 raise Overloaded(f"the inference queue is full ({self.queue_size} waiting); retry shortly",
@@ -91,15 +90,15 @@ class Scheduler:
         """The background work to step now, or None: always when nothing live is pending; under load only while
         its share of the window's busy time is below `background_share`."""
         with self.lock:
-            while self.background and self.background[0][2].finished:
-                heapq.heappop(self.background)
+            self.background = [w for w in self.background if not w.finished]
             if not self.background or self.background_paused:
                 return None
             if live_pending:
                 total = self.live_s + self.background_s
                 if self.background_share <= 0 or self.background_s > self.background_share * total:
                     return None
-            return self.background[0][2]
+            # priorities may change while work waits (a refinement whose order keeps repeating): pick afresh
+            return min(self.background, key=lambda w: (w.current_priority(), w.seq_no))
 
     def account(self, live_s: float, background_s: float) -> None:
         """Add a step's busy time to the decaying window."""
@@ -121,18 +120,17 @@ class Scheduler:
                 for w in [w for w in queue if w.job.cancelled()]:
                     queue.remove(w)
                     gone.append(w)
-            dropped = [entry for entry in self.background if entry[2].job.cancelled()]
+            dropped = [w for w in self.background if w.job.cancelled()]
             if dropped:
-                self.background = [e for e in self.background if e not in dropped]
-                heapq.heapify(self.background)
-                gone += [e[2] for e in dropped]
+                self.background = [w for w in self.background if w not in dropped]
+                gone += dropped
         gone += [w for w in self.running if w.job.cancelled()]  # the engine frees their rows
         return gone
 
     def drain_all(self) -> list[Work]:
         """Everything still queued or running (the engine stops)."""
         with self.lock:
-            out = [*self.waiting, *self.active, *self.running, *(e[2] for e in self.background)]
+            out = [*self.waiting, *self.active, *self.running, *self.background]
             self.waiting.clear()
             self.active.clear()
             self.background.clear()

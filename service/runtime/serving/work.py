@@ -69,11 +69,14 @@ class Work:
     background = False
     is_sequence = False
 
-    def __init__(self, job: Job, priority: float = 0.0) -> None:
-        self.job, self.priority = job, priority
+    def __init__(self, job: Job, priority: float | Callable[[], float] = 0.0) -> None:
+        self.job, self.priority = job, priority  # a callable: read each time the scheduler picks background work
         self.seq_no = next(_ids)
         self.t_submit = time.monotonic()
         self.finished = False
+
+    def current_priority(self) -> float:
+        return self.priority() if callable(self.priority) else self.priority
 
     def step(self) -> int:
         raise NotImplementedError
@@ -103,7 +106,7 @@ class Call(Work):
 
 class StepsWork(Work):
     def __init__(self, job: Job, steps: Generator[int, None, Any], background: bool = False,
-                 priority: float = 0.0) -> None:
+                 priority: float | Callable[[], float] = 0.0) -> None:
         super().__init__(job, priority)
         self.steps, self.background = steps, background
 

@@ -1,0 +1,192 @@
+"""Background work under back-to-back load: does a new skill's calibration and a repeated order's refinement
+complete while live requests keep the engine busy, and what does that cost them?
+
+    python bench/background.py --json bench/out/background.json
+
+Two arms, each a fresh `python -m service` (embedded model, shipped skills): **on** (the defaults: seam
+calibration after each compile, 2% shadow checks, refinement of repeated skill orders) and **off**
+(SKILLCACHE_SEAM_AUTO=false, SKILLCACHE_SHADOW_SAMPLE_RATE=0, SKILLCACHE_REFINE_AFTER=0). Once the shipped skills'
+start-up calibrations have settled, --clients clients send composed requests back to back for --duration-s
+(streaming, greedy, --max-tokens, seam 4 so the composition does not change when a calibration lands): every
+third request the repeated order (refund-policy, tool-specs, style-guide), the others a seeded random order of
+three of the six shipped skills. The engine is never idle for SKILLCACHE_BACKGROUND_IDLE_MS, so background work
+runs only through its share of the busy time (SKILLCACHE_BACKGROUND_SHARE). --register-at-s into the load a new
+skill is registered and compiled (a live request); its calibration is background work.
+
+Reported per arm: live first-token latency p50/p90 over every request; how long the new skill's calibration
+took (registration answered -> skillcache_calibrations_total went up, polled every 0.25 s); how long the
+repeated order's refinement took (the request that made it wanted -> the first request of the order served
+from the exact prefix); the background share of the engine's busy time over the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from common import write_json
+from service.devserver import ROOT, ServiceProcess
+
+REPEATED = ["refund-policy", "tool-specs", "style-guide"]
+ALL_SKILLS = REPEATED + ["shipping-faq", "account-security", "escalation-playbook"]
+TURNS = ["Can I return an opened item?", "Which tool do I use to check an order?", "How should I greet the customer?",
+         "The parcel is late. What do I say?", "Summarise the refund rules in two sentences."]
+NEW_SKILL = "bench-warranty"
+OFF = {"SKILLCACHE_SEAM_AUTO": "false", "SKILLCACHE_SHADOW_SAMPLE_RATE": "0", "SKILLCACHE_REFINE_AFTER": "0"}
+
+
+def counters(text: str) -> dict[str, float]:
+    """Sums over labels of the counters this bench follows."""
+    out = {"calibrations": 0.0, "refined": 0.0, "busy_live": 0.0, "busy_background": 0.0}
+    for line in text.splitlines():
+        m = re.match(r'^(\w+)(\{[^}]*\})? (\S+)$', line)
+        if not m:
+            continue
+        name, labels, v = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "skillcache_calibrations_total":
+            out["calibrations"] += v
+        elif name == "skillcache_refined_prefixes_total":
+            out["refined"] += v
+        elif name == "skillcache_engine_busy_seconds_total":
+            out["busy_live" if 'kind="live"' in labels else "busy_background"] += v
+    return out
+
+
+async def ask(c: httpx.AsyncClient, skills: list[str], user: str, max_tokens: int) -> dict:
+    body = {"skills": skills, "user": user, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "seam_tokens": 4}
+    t0, ttft, done = time.perf_counter(), None, None
+    async with c.stream("POST", "/v1/compose", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ttft is None and ev["type"] in ("delta", "done"):
+                ttft = time.perf_counter() - t0
+            if ev["type"] == "done":
+                done = ev
+            elif ev["type"] == "error":
+                raise RuntimeError(ev)
+    return {"t_end": time.perf_counter(), "ttft_s": ttft, "prefix_tokens": done["usage"]["prefix_tokens"]}
+
+
+async def settle(c: httpx.AsyncClient, quiet_s: float = 5.0, limit_s: float = 300.0) -> None:
+    """Until the calibration counter has not moved for quiet_s (the shipped skills' start-up calibrations)."""
+    last, t_last, t0 = None, time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        n = counters((await c.get("/metrics")).text)["calibrations"]
+        if n != last:
+            last, t_last = n, time.monotonic()
+        elif time.monotonic() - t_last > quiet_s:
+            return
+        await asyncio.sleep(0.5)
+
+
+async def load(url: str, args, seed: int, calibrating: bool) -> dict:
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    events: dict = {}
+    stop = time.perf_counter() + args.duration_s
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        await ask(c, REPEATED[:1], "warm up", 4)
+        await settle(c)
+        m0 = counters((await c.get("/metrics")).text)
+        t0 = time.perf_counter()
+        seen = {"n": 0}
+
+        async def client(k: int) -> None:
+            i = k
+            while time.perf_counter() < stop:
+                repeated = i % 3 == 0
+                order = list(REPEATED) if repeated else rng.sample(ALL_SKILLS, 3)
+                r = await ask(c, order, TURNS[i % len(TURNS)], args.max_tokens)
+                r.update(repeated=repeated, t=r["t_end"] - t0)
+                rows.append(r)
+                if repeated:
+                    seen["n"] += 1
+                    if seen["n"] == args.refine_after and "wanted_at" not in events:
+                        events["wanted_at"] = r["t_end"]
+                    if r["prefix_tokens"] and "refined_served_at" not in events:
+                        events["refined_served_at"] = r["t_end"]
+                i += args.clients
+
+        async def register() -> None:
+            await asyncio.sleep(args.register_at_s)
+            body = (ROOT / "skills" / "shipping-faq.md").read_text().split("---", 2)[2]  # after the front matter
+            text = body.replace("{{", "").replace("}}", "").replace("shipping", "warranty")
+            n0 = counters((await c.get("/metrics")).text)["calibrations"]
+            r = await c.post("/v1/skills", params={"compile": "true"}, json={"name": NEW_SKILL, "text": text})
+            r.raise_for_status()
+            events["registered_at"] = time.perf_counter()
+            while time.perf_counter() < stop + (120 if calibrating else 0):  # off: no calibration to wait for
+                if counters((await c.get("/metrics")).text)["calibrations"] > n0:
+                    events["calibrated_at"] = time.perf_counter()
+                    return
+                await asyncio.sleep(0.25)
+
+        await asyncio.gather(register(), *[client(k) for k in range(args.clients)])
+        m1 = counters((await c.get("/metrics")).text)
+    ttfts = [r["ttft_s"] for r in rows]
+    busy_bg = m1["busy_background"] - m0["busy_background"]
+    busy = busy_bg + m1["busy_live"] - m0["busy_live"]
+
+    def took(a: str, b: str) -> float | None:
+        return events[b] - events[a] if a in events and b in events else None
+
+    return {"requests": len(rows), "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p90_s": sorted(ttfts)[int(round(0.9 * (len(ttfts) - 1)))],
+            "calibration_s": took("registered_at", "calibrated_at"),
+            "refinement_s": took("wanted_at", "refined_served_at"),
+            "repeated_exact": sum(1 for r in rows if r["repeated"] and r["prefix_tokens"]),
+            "repeated": sum(1 for r in rows if r["repeated"]), "refined_prefixes": m1["refined"] - m0["refined"],
+            "background_share": busy_bg / busy if busy else 0.0, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--duration-s", type=float, default=90.0)
+    ap.add_argument("--register-at-s", type=float, default=15.0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--refine-after", type=int, default=1, help="the service's SKILLCACHE_REFINE_AFTER (on arm)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    out = {"args": vars(args), "arms": {}}
+    for arm in args.arms:
+        env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), **(OFF if arm == "off" else {})}
+        if arm == "on":
+            env["SKILLCACHE_REFINE_AFTER"] = str(args.refine_after)
+        svc = ServiceProcess(Path(tempfile.mkdtemp(prefix=f"skillcache-bg-{arm}-")), env, threads=None).start()
+        try:
+            svc.wait_ready(600)
+            res = asyncio.run(load(svc.url, args, args.seed, calibrating=arm == "on"))
+        finally:
+            svc.stop()
+        out["arms"][arm] = res
+        cal, ref = res["calibration_s"], res["refinement_s"]
+        print(f"{arm:3s}: {res['requests']} requests, TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, "
+              f"p90 {res['ttft_p90_s'] * 1e3:.0f} ms; new skill calibrated after "
+              f"{'-' if cal is None else f'{cal:.1f} s'}; repeated order refined after "
+              f"{'-' if ref is None else f'{ref:.1f} s'} ({res['repeated_exact']}/{res['repeated']} served exact); "
+              f"background share {res['background_share']:.1%}", flush=True)
+    if "on" in out["arms"] and "off" in out["arms"]:
+        rise = out["arms"]["on"]["ttft_p90_s"] / out["arms"]["off"]["ttft_p90_s"] - 1
+        out["p90_rise"] = rise
+        print(f"live p90 first token, background on vs off: {rise:+.1%}", flush=True)
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
