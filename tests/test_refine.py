@@ -294,3 +294,26 @@ def test_a_queued_refinement_moves_ahead_as_its_order_repeats(tmp_path, caplog):
                    if r.getMessage().startswith("refined a ")]
         assert len(refined) == 2 and refined[0] < refined[1], refined  # the repeated order's shorter head first
         assert _compose(c, ["a", "b"])["usage"]["prefix_tokens"] == refined[0]
+
+
+def test_a_head_composed_once_under_load_waits_for_its_second_composition():
+    """REFINE_AFTER=1: a head composed once is queued when the engine serves nothing else; while other requests are
+    served it waits for a second composition (most once-composed orders never recur, bench/background.py)."""
+    from types import SimpleNamespace
+
+    from service.compose.refine import PrefixRefiner
+
+    rt, ids, blocks, plan = _setup()
+    spawned = []
+    guard = SimpleNamespace(engine=SimpleNamespace(serving=True), spawn=lambda coro: spawned.append(coro) or True)
+    refiner = PrefixRefiner(after=1, chunk=16, runtime=rt, store=None, guard=guard)
+    refiner.note("default", plan, 0)
+    assert spawned == []  # once, under load: not queued
+    refiner.note("default", plan, 0)
+    assert len(spawned) == 1  # twice: queued whatever the load
+    guard.engine.serving = False
+    other = rt.prompts.build(MSGS, [ids[1], ids[0], ids[2]])
+    refiner.note("default", other, 0)
+    assert len(spawned) == 2  # once, on an engine serving nothing else: queued
+    for coro in spawned:
+        coro.close()

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _SEEN_MAX = 4096  # heads whose composition count is remembered (LRU)
 _DONATED = object()  # a background refinement's value when a live full prefill gave the prefix first
+# _ONE_OFF: a head composed once (REFINE_AFTER=1) is queued only when no other request is being served. Under load
+# most once-composed orders never recur, and each would take the background share (a ~2.4k-token prefill) from the
+# orders that do (bench/background.py: with them queued, a repeated order took 85-90 s to be refined and live p90
+# rose 17-40%); its second composition queues it like any repeated head.
 
 
 class PrefixRefiner:
@@ -99,6 +103,8 @@ class PrefixRefiner:
             self._seen[k] = self._seen.pop(k, 0) + 1
             if target is None and self._seen[k] >= self.after:  # a pending one gives the shorter heads too
                 target = (end, k, self._seen[k]) if k not in self._pending else False
+                if target and self._seen[k] == 1 and self.guard.engine.serving:
+                    target = False  # composed once, while other requests are served: see _ONE_OFF
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
         if target:

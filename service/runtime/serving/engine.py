@@ -121,6 +121,11 @@ class ServingEngine:
         return self._in_step or self.sched.has_work()
 
     @property
+    def serving(self) -> bool:
+        """Live work queued or running (other requests), background work aside."""
+        return self.sched.has_live()
+
+    @property
     def n_waiting(self) -> int:
         return len(self.sched.waiting)
 
