@@ -104,7 +104,7 @@ class Settings(BaseSettings):
                                       "tokens, so running sequences keep decoding between them")
     kv_budget_bytes: int = Field(4 * 1024**3, ge=1, description="K/V of the running sequences (decode batch and "
                                  "prefill caches); a request that does not fit waits; one that never could is 413")
-    background_share: float = Field(0.2, ge=0.0, le=1.0, description="share of the engine's busy time that "
+    background_share: float = Field(0.1, ge=0.0, le=1.0, description="share of the engine's busy time that "
                                     "background work (calibration, shadow checks, refinement) gets under load")
     background_idle_ms: float = Field(100.0, ge=0.0, description="when nothing live is left, background work "
                                       "starts only after this long idle: a client's next request, sent right after "

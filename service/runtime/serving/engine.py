@@ -32,7 +32,7 @@ class EngineConfig:
     step_token_budget: int = 1024
     queue_size: int = 32
     kv_budget_bytes: int = 4 * 1024**3
-    background_share: float = 0.2
+    background_share: float = 0.1
     background_idle_s: float = 0.1
 
     @classmethod
