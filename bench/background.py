@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from common import write_json
+from common import stream_compose, write_json
 from service.devserver import ROOT, ServiceProcess
 
 REPEATED = ["refund-policy", "tool-specs", "style-guide"]
@@ -60,22 +59,9 @@ def counters(text: str) -> dict[str, float]:
 
 
 async def ask(c: httpx.AsyncClient, skills: list[str], user: str, max_tokens: int) -> dict:
-    body = {"skills": skills, "user": user, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "seam_tokens": 4}
-    t0, ttft, done = time.perf_counter(), None, None
-    async with c.stream("POST", "/v1/compose", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ttft is None and ev["type"] in ("delta", "done"):
-                ttft = time.perf_counter() - t0
-            if ev["type"] == "done":
-                done = ev
-            elif ev["type"] == "error":
-                raise RuntimeError(ev)
-    return {"t_end": time.perf_counter(), "ttft_s": ttft, "prefix_tokens": done["usage"]["prefix_tokens"]}
+    r = await stream_compose(c, {"skills": skills, "user": user, "max_tokens": max_tokens, "temperature": 0.0,
+                                 "stream": True, "seam_tokens": 4})
+    return {"t_end": r["t_end"], "ttft_s": r["ttft_s"], "prefix_tokens": r["done"]["usage"]["prefix_tokens"]}
 
 
 async def settle(c: httpx.AsyncClient, limit_s: float = 300.0) -> None:

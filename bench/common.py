@@ -98,3 +98,24 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2))
+
+
+async def stream_compose(client, body: dict) -> dict:
+    """POST a streaming /v1/compose: the first-token time (first delta, or done when nothing was generated), the
+    deltas' text and the done event, as the client sees them."""
+    t0, ttft, done, parts = time.perf_counter(), None, None, []
+    async with client.stream("POST", "/v1/compose", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ttft is None and ev["type"] in ("delta", "done"):
+                ttft = time.perf_counter() - t0
+            if ev["type"] == "delta":
+                parts.append(ev["text"])
+            elif ev["type"] == "done":
+                done = ev
+            elif ev["type"] == "error":
+                raise RuntimeError(ev)
+    return {"ttft_s": ttft, "text": "".join(parts), "done": done, "t_end": time.perf_counter()}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from common import stream_compose
 from service.devserver import ROOT, ServiceProcess
 
 ORDER_SKILLS = ["refund-policy", "tool-specs", "style-guide"]
@@ -59,24 +60,10 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 async def ask_text(c: httpx.AsyncClient, skills: list[str], user: str, mode: str) -> dict:
     """Streamed (for the first-token time), then the text from the deltas."""
-    body = {"skills": skills, "user": user, "max_tokens": 32, "temperature": 0.0, "stream": True,
-            "logprobs": 1, "seam_tokens": 4, "mode": mode}
-    t0, ttft, done, parts = time.perf_counter(), None, None, []
-    async with c.stream("POST", "/v1/compose", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ttft is None and ev["type"] in ("delta", "done"):
-                ttft = time.perf_counter() - t0
-            if ev["type"] == "delta":
-                parts.append(ev["text"])
-            elif ev["type"] == "done":
-                done = ev
-            elif ev["type"] == "error":
-                raise RuntimeError(ev)
-    return {"ttft_s": ttft, "text": "".join(parts), "top1": done["logprobs"][0]["token"],
+    r = await stream_compose(c, {"skills": skills, "user": user, "max_tokens": 32, "temperature": 0.0,
+                                 "stream": True, "logprobs": 1, "seam_tokens": 4, "mode": mode})
+    done = r["done"]
+    return {"ttft_s": r["ttft_s"], "text": r["text"], "top1": done["logprobs"][0]["token"],
             "paths": [s["path"] for s in done["skills"]], "prefix_tokens": done["usage"]["prefix_tokens"]}
 
 

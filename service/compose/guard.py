@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
@@ -168,7 +169,7 @@ class FidelityGuard:
         if not task.cancelled() and task.exception() is not None:
             log.error("background fidelity job failed: %s", task.exception())
 
-    async def run_background(self, steps, priority=0.0):
+    async def run_background(self, steps, priority: float | Callable[[], float] = 0.0):
         """Run a step generator as background work of the engine; its value (None: the backlog was full)."""
         return await self.engine.run_steps(steps, background=True, priority=priority)
 

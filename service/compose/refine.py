@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
@@ -42,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _SEEN_MAX = 4096  # heads whose composition count is remembered (LRU)
 _DONATED = object()  # a background refinement's value when a live full prefill gave the prefix first
-# _ONE_OFF: a head composed once (REFINE_AFTER=1) is queued only when no other request is being served. Under load
-# most once-composed orders never recur, and each would take the background share (a ~2.4k-token prefill) from the
-# orders that do (bench/background.py: with them queued, a repeated order took 85-90 s to be refined and live p90
-# rose 17-40%); its second composition queues it like any repeated head.
 
 
 class PrefixRefiner:
@@ -104,21 +101,23 @@ class PrefixRefiner:
             if target is None and self._seen[k] >= self.after:  # a pending one gives the shorter heads too
                 target = (end, k, self._seen[k]) if k not in self._pending else False
                 if target and self._seen[k] == 1 and self.guard.engine.serving:
-                    target = False  # composed once, while other requests are served: see _ONE_OFF
+                    # composed once while other requests are served: most such orders never recur, and each would
+                    # take the background share from those that do (bench/background.py); a second composition
+                    # queues it under any load
+                    target = False
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
         if target:
             end, k, count = target
             self._pending.add(k)
             shorter = [e for e in self.heads(plan) if e < end]
-            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, self._benefit(k, end - n_prefix))):
+            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, self._priority(k, end - n_prefix))):
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
 
-    def _benefit(self, k: str, tokens: int):
-        """The backlog priority of refining head `k`: minus the tokens it would have made exact so far (times composed
-        x tokens to prefill), read whenever the engine picks background work, so a queued order that keeps repeating
-        moves ahead of one-off orders queued before it."""
-        return lambda: -float(max(1, self._seen.get(k, 1)) * tokens)
+    def _priority(self, k: str, tokens: int) -> Callable[[], float]:
+        """Refining head `k`, as backlog priority: minus the tokens it would have made exact so far (times composed
+        x tokens), read whenever the engine picks background work."""
+        return lambda: -float(self._seen.get(k, 1) * tokens)
 
     async def wanted(self, namespace: str, plan: "PromptPlan") -> int:
         """Where the longest head of `plan` that refinement wants and does not hold yet ends (a refinement pending, or
@@ -157,7 +156,8 @@ class PrefixRefiner:
         steps.close()
         return _DONATED
 
-    async def _refine(self, namespace: str, ids: list[int], shorter: list[int], priority) -> None:
+    async def _refine(self, namespace: str, ids: list[int], shorter: list[int],
+                      priority: Callable[[], float]) -> None:
         key = self.key(namespace, ids)
         try:
             held = await self._held(namespace, ids, shorter)
