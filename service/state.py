@@ -59,7 +59,8 @@ class AppState:
             if self.runtime is None:
                 from service.runtime import build_runtime
 
-                self.runtime = await asyncio.to_thread(build_runtime, self.settings)
+                # on the engine's thread: it owns torch's threads, and what compiles at load compiles for them
+                self.runtime = await self.engine.run(lambda cancelled: build_runtime(self.settings))
             from service.runtime.selfcheck import run_selfcheck
 
             report = await self.engine.run(lambda cancelled: run_selfcheck(self.runtime))

@@ -10,11 +10,8 @@ log = logging.getLogger(__name__)
 
 
 def build_runtime(settings: Settings):
-    """Load the configured model and return a ModelRuntime with its fingerprint."""
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)  # process-wide: the worker thread uses it too
+    """Load the configured model and return a ModelRuntime with its fingerprint. The service calls it on the serving
+    engine's thread, which owns torch's threads (service/runtime/threads.py) and then runs every forward."""
     from service.runtime.engine import ModelRuntime
     from service.runtime.fingerprint import model_fingerprint
     from service.runtime.loader import load_model

@@ -34,11 +34,12 @@ class EngineConfig:
     kv_budget_bytes: int = 4 * 1024**3
     background_share: float = 0.1
     background_idle_s: float = 0.1
+    torch_threads: int = 0  # the engine thread's; every other thread gets one (service/runtime/threads.py)
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
         return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
-                   s.background_idle_ms / 1e3)
+                   s.background_idle_ms / 1e3, s.torch_threads)
 
 
 class ServingEngine:
@@ -139,6 +140,9 @@ class ServingEngine:
     def _loop(self) -> None:
         import torch
 
+        from service.runtime.threads import claim
+
+        claim(self.config.torch_threads)
         with torch.inference_mode():
             while True:
                 with self._wake:
