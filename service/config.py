@@ -23,15 +23,17 @@ class Settings(BaseSettings):
         "none", description="CPU weight formats of the linear layers: int8 (weights int8 per output channel, "
         "activations bfloat16), w8a8 (int8 weights and int8 activations with one scale per token); norms, "
         "attention and K/V stay in `dtype`. docs/BENCHMARKS.md 'CPU weight formats' has speed and quality")
-    packed_decode: bool = Field(False, description="experimental, CPU, float32: linears whose weights are exactly "
-                                "GGUF Q4_1/Q8_0 blocks (the embedded model's) run decode steps of up to 4 rows on the "
-                                "blocks through a compiled kernel, prefill on float32 matmuls; the same weights and "
-                                "float32 arithmetic. 2.1x per one-row step on the main thread, no gain yet on the "
-                                "serving engine's thread (docs/BENCHMARKS.md, 'Packed decode'). Needs a C++ compiler")
+    packed_decode: bool = Field(True, description="CPU, float32: linears whose weights are exactly GGUF Q4_1/Q8_0 "
+                                "blocks (the embedded model's) run inputs of up to 8 rows (decode steps, seams) on the "
+                                "blocks through a C++ kernel, prefill chunks on float32 matmuls; the same weights in "
+                                "float32 arithmetic. About 2x per one-row decode step (docs/BENCHMARKS.md, 'Packed "
+                                "decode'). Built at the first start (~30 s) with a C++ compiler and ninja; without "
+                                "them the service logs a warning and stays on float32 matmuls")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's default (one per "
-                               "core). Set it to the cores this replica really has when several share a machine")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads of the model's thread (every other "
+                               "thread gets one); 0: one per CPU this process may run on. Set it to the cores this "
+                               "replica really has when several share a machine")
 
     # store
     store: Literal["disk", "redis", "memory"] = "disk"

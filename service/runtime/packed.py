@@ -9,20 +9,22 @@ reading the weights: 537 MB of float32 per step on the embedded model, ~45 ms of
 Q4_1 `w = d * q + m` (q in 0..15, d and m float16: m is the block's minimum, d its range / 15) or Q8_0 `w = d * q`
 (q in -127..127, d = the block's largest magnitude / 127), and keeps them only where they decode back to the very
 same float32 weight, bit for bit. Any other weight (a float16 or bfloat16 checkpoint, random test weights) stays as
-it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, a seam) through one fused kernel
-(torch.compile: dequantize and multiply in float32 without writing the float32 weight out) and longer inputs
-(prefill chunks, bound by compute) through the float32 matmul as before. The arithmetic stays float32 on the same
+it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, a seam) through packed_blocks.cpp
+(each block decoded in registers and multiplied into every row, float32, the weight never written out) and longer
+inputs (prefill chunks, bound by compute) through the float32 matmul as before. The arithmetic stays float32 on the same
 weights, so this is the same model; the kernel sums in another order than the BLAS, so its outputs differ from the
 matmul's at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does not depend on how many
 rows the step has, up to `max_rows` (bitwise, tests/runtime/test_packed.py).
 
-Off by default (SKILLCACHE_PACKED_DECODE): a one-row step is 2.1x faster on the main thread, but each compiled call
-costs ~140 us more than a matmul when made from another thread, as the serving engine's is, and a step makes 211.
+On by default (SKILLCACHE_PACKED_DECODE). A C++ extension rather than torch.compile: a compiled call went through
+dynamo's per-call path, ~80 us on the main thread and ~140-180 us from the serving engine's, 211 calls a step, which
+ate the gain; this kernel is one plain call. Measured in docs/BENCHMARKS.md, "Packed decode".
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,29 +32,22 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 GROUP = 32  # values per block (GGUF's Q4_0/Q4_1/Q8_0)
-MAX_ROWS = 4  # decode steps of more rows: the float32 matmul is faster here (docs/BENCHMARKS.md, "Packed decode")
-
-
-def _dot_blocks(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32, q [N, K] int8, d, m [N, K/G] float16 -> x W^T as [N, M] (N outer: a weight row is read once
-    for all M rows)."""
-    n, k = q.shape
-    w = q.view(n, 1, k // GROUP, GROUP).float() * d.float()[:, None, :, None] + m.float()[:, None, :, None]
-    return (w * x.view(1, -1, k // GROUP, GROUP)).sum((-1, -2))  # [N, M]
-
-
-_compiled = None
+MAX_ROWS = 8  # decode steps of more rows: the float32 matmul (docs/BENCHMARKS.md, "Packed decode")
+_SOURCE = Path(__file__).with_name("packed_blocks.cpp")
+_ext = None
 
 
 def _kernel():
-    global _compiled
-    if _compiled is None:
-        import torch._dynamo
+    """blocks_mm(x [M, K], q, d, m [N, K/G] float32, q4) -> [M, N]: packed_blocks.cpp, built on first use
+    for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; cached by torch under
+    ~/.cache/torch_extensions)."""
+    global _ext
+    if _ext is None:
+        from torch.utils.cpp_extension import load
 
-        # one compiled entry per weight shape (and one for a single row): more than dynamo's default of 8
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled = torch.compile(_dot_blocks, dynamic=False)
-    return _compiled
+        _ext = load("skillcache_packed_blocks", [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                                                        "-ffp-contract=off"])
+    return _ext.blocks_mm
 
 
 def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
@@ -90,19 +85,20 @@ class PackedLinear(nn.Module):
         super().__init__()
         q, d, m, self.kind = blocks
         self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("q", q, persistent=False)  # [N, K] int8
-        self.register_buffer("d", d, persistent=False)  # [N, K/G] float16
-        self.register_buffer("m", m, persistent=False)
+        self.q4 = self.kind == "q4_1"
+        if self.q4:  # two levels a byte: byte j of a block holds value j and value j + G/2 (GGUF's layout)
+            g = q.view(q.shape[0], -1, 2, GROUP // 2).to(torch.uint8)  # [N, K/G, 2, G/2]
+            q = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(q.shape[0], -1)
+        self.register_buffer("q", q, persistent=False)  # [N, K/2] uint8 (q4_1) or [N, K] int8 (q8_0)
+        self.register_buffer("d", d.float(), persistent=False)  # [N, K/G] float32 (exactly the float16 scales)
+        self.register_buffer("m", m.float(), persistent=False)
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(rows, self.in_features).contiguous()  # [M, K]
-        if rows > 1:
-            torch._dynamo.mark_dynamic(x2, 0)  # one kernel for 2..max_rows rows
-        y = _kernel()(x2, self.q, self.d, self.m).t()  # [M, N]
+        y = _kernel()(x.reshape(rows, self.in_features), self.q, self.d, self.m, self.q4)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -121,9 +117,9 @@ def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
     if not packed:
         return {}
     try:
-        _warm({(p.q.shape, p.q.dtype): p for _, p in packed}.values(), max_rows)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler, an unsupported platform: stay on float32 matmuls
-        log.warning("packed decode off: the kernel did not compile (%s); decode steps use float32 matmuls", e)
+        _warm({(p.kind, p.q.shape): p for _, p in packed}.values(), max_rows)
+    except Exception as e:  # noqa: BLE001 - no C++ compiler or ninja, an unsupported platform: float32 matmuls
+        log.warning("packed decode off: the kernel did not build (%s); decode steps use float32 matmuls", e)
         return {}
     originals = dict(model.named_modules())
     for name, p in packed:
@@ -137,9 +133,9 @@ def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
 
 @torch.inference_mode()
 def _warm(linears, max_rows: int) -> None:
-    """Compile each weight shape for one row and for several, and check the kernel against the float32 matmul."""
+    """Build the kernel, and check it against the float32 matmul on each weight shape, for one row and for several."""
     for p in linears:
-        for rows in sorted({1, min(2, max_rows)}):
+        for rows in sorted({1, min(3, max_rows)}):
             x = torch.randn(rows, p.in_features)
             got, want = p(x), F.linear(x, p.weight, p.bias)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):

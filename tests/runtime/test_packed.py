@@ -87,6 +87,21 @@ def test_a_row_does_not_depend_on_the_row_count():
             assert torch.equal(p(x[:rows].contiguous()), whole[:rows])
 
 
+@pytest.mark.parametrize("fmt", [_q4_1, _q8_0])
+def test_the_kernel_multiplies_by_the_very_float32_weight(fmt):
+    """Unit rows pick the weight's columns out: the kernel decodes each block (two levels a byte for Q4_1) to the
+    float32 value the model was loaded with, bit for bit."""
+    torch.manual_seed(4)
+    lin = nn.Linear(4 * GROUP, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(fmt(lin.weight))
+    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8)
+    eye = torch.eye(lin.in_features)
+    with torch.inference_mode():
+        cols = torch.cat([p(eye[i:i + 8]) for i in range(0, lin.in_features, 8)])  # [K, N]
+    assert torch.equal(cols.t(), lin.weight.detach())
+
+
 def _block_runtime() -> tuple[ModelRuntime, ModelRuntime]:
     """A tiny llama whose linears are Q4_1 (the LM head Q8_0), and a packed copy of it."""
     base = tiny_runtime("llama")

@@ -1,0 +1,116 @@
+// Packed decode's kernel (service/runtime/packed.py): y = x W^T with W held as its GGUF blocks, float32 arithmetic.
+//
+//   blocks_mm(x [M, K] float32, q, d [N, K/32] float32, m [N, K/32] float32, q4) -> y [M, N] float32
+//   W[n, k] = q[n, k] * d[n, k/32] + m[n, k/32]
+//   q4 (Q4_1): q in 0..15, two to a byte, q [N, K/2] uint8: byte j of a block holds value j (low nibble) and
+//              value j + 16 (high nibble), as GGUF stores them
+//   else (Q8_0): q [N, K] int8 in -127..127, m = 0
+//
+// A weight row is read once per pass of up to ROWS input rows: each block of 32 is decoded into registers and
+// multiplied into every row of the pass, so a step reads 0.75 (Q4_1) or 1.25 (Q8_0) bytes a weight instead of
+// float32's 4, and the weight is never written out. The output rows split across the calling thread's torch threads.
+// Every (row, output) sums in the same order whatever M is (32 lane sums over the blocks, then a fixed halving tree),
+// so a request's numbers do not depend on what else is in its batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+constexpr int G = 32;     // values per block
+constexpr int ROWS = 8;   // input rows per pass over a weight row (their partial sums stay in registers / L1)
+
+// w = q * d + m for block b, rounded as float32 does it in two steps (built with -ffp-contract=off, so no fused
+// multiply-add merges them): exactly the float32 weight the model was loaded with.
+template <bool Q4>
+inline void decode(const uint8_t* __restrict q, int64_t b, float d, float m, float* __restrict w) {
+  if constexpr (Q4) {
+    const uint8_t* qb = q + b * (G / 2);
+#if defined(__AVX512F__)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(lo, vd), vm));
+    _mm512_storeu_ps(w + G / 2, _mm512_add_ps(_mm512_mul_ps(hi, vd), vm));
+#else
+    for (int j = 0; j < G / 2; ++j) {
+      w[j] = float(qb[j] & 15) * d + m;
+      w[j + G / 2] = float(qb[j] >> 4) * d + m;
+    }
+#endif
+  } else {
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G;
+    for (int j = 0; j < G; ++j) w[j] = float(qb[j]) * d + m;
+  }
+}
+
+template <int R, bool Q4>
+inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
+                 const float* __restrict m, float* __restrict out) {
+  float acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) acc[r][j] = 0.f;
+  for (int64_t b = 0; b < K / G; ++b) {
+    float w[G];
+    decode<Q4>(q, b, d[b], m[b], w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * G;
+      for (int j = 0; j < G; ++j) acc[r][j] = std::fma(w[j], xr[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = G / 2; h > 0; h /= 2)
+      for (int j = 0; j < h; ++j) acc[r][j] += acc[r][j + h];
+    out[r] = acc[r][0];
+  }
+}
+
+using PassFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, float*);
+template <bool Q4>
+constexpr PassFn PASSES[ROWS] = {pass<1, Q4>, pass<2, Q4>, pass<3, Q4>, pass<4, Q4>,
+                                 pass<5, Q4>, pass<6, Q4>, pass<7, Q4>, pass<8, Q4>};
+}  // namespace
+
+torch::Tensor blocks_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, bool q4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8),
+              "q: [N, K/2] uint8 (q4) or [N, K] int8, contiguous");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
+              m.is_contiguous(), "d, m: [N, K/32] float32, contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == (q4 ? K / 2 : K) && K % G == 0 && d.numel() == N * (K / G) && m.numel() == N * (K / G),
+              "shapes: x [M, K], q [N, K/2] or [N, K], d and m [N, K/32]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const int64_t row_bytes = q4 ? K / 2 : K;
+  const PassFn* passes = q4 ? PASSES<true> : PASSES<false>;
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // OpenMP directly, on the calling thread's count from libtorch: at::parallel_for's header code would start this
+  // library's own copy of ATen's per-thread setup, which resets the thread to torch's process-wide count (the
+  // serving engine's thread keeps its own; service/runtime/threads.py)
+  const int threads = at::get_num_threads();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float out[ROWS];
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+      const int64_t r = std::min<int64_t>(ROWS, M - r0);
+      passes[r - 1](xp + r0 * K, K, qp + n * row_bytes, dp + n * (K / G), mp + n * (K / G), out);
+      for (int64_t i = 0; i < r; ++i) yp[(r0 + i) * N + n] = out[i];
+    }
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("blocks_mm", &blocks_mm, "x W^T on GGUF blocks, float32"); }
