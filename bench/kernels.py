@@ -5,9 +5,9 @@
 Every linear of the embedded model's shape (30 layers x q, k, v, o, gate, up, down, and the 49,152-row LM head),
 each with its own random Q4_1 weight (so the weights come from memory, not cache, as in a real step), run once per
 step for M rows of float32 input: float32 `x @ W^T`; service/runtime/packed.py's kernel on the blocks; torch's
-`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32 paths). The packed
-kernel also runs on a thread of its own, as the serving engine calls the model. Reported: ms per step (median of
---repeats) for each M in --rows.
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32 paths). Everything
+runs on one thread that claims torch's threads (service/runtime/threads.py), as the serving engine runs the model, and
+nothing runs torch on the main thread. Reported: ms per step (median of --repeats) for each M in --rows.
 """
 
 from __future__ import annotations
@@ -56,7 +56,17 @@ def timed(fn, repeats: int) -> float:
 
 
 def main() -> None:
+    t = threading.Thread(target=run, name="model")  # as the serving engine: the model on a thread of its own
+    t.start()
+    t.join()
+
+
+def run() -> None:
     from torch import nn
+
+    from service.runtime.threads import claim
+
+    claim()
 
     from service.runtime.packed import GROUP, PackedLinear
 
@@ -79,16 +89,6 @@ def main() -> None:
             row = {"rows": m,
                    "float32_ms": timed(lambda: [xs[w.shape[1]] @ w.t() for w, *_ in ws], args.repeats),
                    "packed_ms": timed(lambda: [p(xs[p.in_features]) for p in packed], args.repeats)}
-            box: dict = {}
-
-            def on_thread():  # as the serving engine runs the model: on a thread of its own
-                with torch.inference_mode():
-                    box["ms"] = timed(lambda: [p(xs[p.in_features]) for p in packed], args.repeats)
-
-            t = threading.Thread(target=on_thread)
-            t.start()
-            t.join()
-            row["packed_other_thread_ms"] = box["ms"]
             if args.torch_kernels:
                 row["int4pack_ms"] = timed(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(
                     xs[w.shape[1]], i4, GROUP, sz) for w, _, i4, sz, _, _ in ws], 1)

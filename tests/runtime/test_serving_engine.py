@@ -317,6 +317,39 @@ def test_a_background_priority_is_read_when_work_is_picked():
         loop.close()
 
 
+async def test_the_engine_thread_runs_the_torch_threads_it_is_given():
+    """SKILLCACHE_TORCH_THREADS is the model thread's count (service/runtime/threads.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2  # differs from this thread's count, so the assert can fail
+    eng = ServingEngine(EngineConfig(torch_threads=wanted))
+    try:
+        assert await eng.run(lambda c: torch.get_num_threads()) == wanted
+    finally:
+        eng.stop()
+        torch.set_num_threads(before)  # claim() moved torch's process-wide default
+
+
+def test_work_that_finished_is_not_served_any_more():
+    """A request's own work finishes (its job has the result) before the step that ran it takes it off the lists;
+    `serving` (asked by that request right after: the refiner's one-off rule) must not count it."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        own, other = StepsWork(Job(loop), iter(())), StepsWork(Job(loop), iter(()))
+        assert sched.add(own)
+        own.finished = True  # as the engine thread leaves it until the step ends
+        assert sched.has_live() and not sched.has_unfinished_live()
+        assert sched.add(other)
+        assert sched.has_unfinished_live()
+    finally:
+        loop.close()
+
+
 def test_token_stream_text_equals_a_full_decode_however_long(rt):
     """The stream re-decodes a window, not the whole reply per token: its deltas still add up to the full text."""
     from service.runtime.decode import TokenStream

@@ -123,8 +123,9 @@ class ServingEngine:
 
     @property
     def serving(self) -> bool:
-        """Live work queued or running (other requests), background work aside."""
-        return self.sched.has_live()
+        """Live work queued or running, background work aside: other requests, as seen by one whose own work has
+        finished (its result may arrive before the step that finished it ends)."""
+        return self.sched.has_unfinished_live()
 
     @property
     def n_waiting(self) -> int:

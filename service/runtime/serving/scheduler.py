@@ -66,6 +66,11 @@ class Scheduler:
     def has_live(self) -> bool:
         return bool(self.waiting or self.active or self.running)
 
+    def has_unfinished_live(self) -> bool:
+        """Live work not finished yet; safe from other threads (a snapshot of each list). Work that finished in the
+        step now running stays listed until that step removes it, after its job already has the result."""
+        return any(not w.finished for q in (self.waiting, self.active, self.running) for w in tuple(q))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self.running or (self.background and not self.background_paused))
 
