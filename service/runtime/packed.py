@@ -45,9 +45,22 @@ def _kernel():
     if _ext is None:
         from torch.utils.cpp_extension import load
 
-        _ext = load("skillcache_packed_blocks", [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                        "-ffp-contract=off"])
+        # named for this CPU's instruction sets: torch caches builds by name, and a -march=native build from
+        # another machine (a shared home) could hold instructions this one lacks
+        _ext = load(f"skillcache_packed_blocks_{_cpu_tag()}", [str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
     return _ext.blocks_mm
+
+
+def _cpu_tag() -> str:
+    import hashlib
+    import platform
+
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
 def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:

@@ -13,7 +13,6 @@
 // so a request's numbers do not depend on what else is in its batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
