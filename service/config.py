@@ -27,8 +27,12 @@ class Settings(BaseSettings):
                                 "blocks (the embedded model's) run inputs of up to 8 rows (decode steps, seams) on the "
                                 "blocks through a C++ kernel, prefill chunks on float32 matmuls; the same weights in "
                                 "float32 arithmetic. About 2x per one-row decode step (docs/BENCHMARKS.md, 'Packed "
-                                "decode'). Built at the first start (~30 s) with a C++ compiler and ninja; without "
+                                "decode'). Built at the first start (~35 s) with a C++ compiler and ninja; without "
                                 "them the service logs a warning and stays on float32 matmuls")
+    decode_attention: bool = Field(True, description="CPU, float32, sdpa models: a decode step's attention on a C++ "
+                                   "kernel that reads each key and value once for the query heads sharing it "
+                                   "(docs/BENCHMARKS.md, 'Decode attention'); built with packed decode's kernel. "
+                                   "Off, or without a compiler: torch's sdpa")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads of the model's thread (every other "

@@ -24,43 +24,16 @@ ate the gain; this kernel is one plain call. Measured in docs/BENCHMARKS.md, "Pa
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.runtime.native import extension
+
 log = logging.getLogger(__name__)
 GROUP = 32  # values per block (GGUF's Q4_0/Q4_1/Q8_0)
 MAX_ROWS = 8  # decode steps of more rows: the float32 matmul (docs/BENCHMARKS.md, "Packed decode")
-_SOURCE = Path(__file__).with_name("packed_blocks.cpp")
-_ext = None
-
-
-def _kernel():
-    """blocks_mm(x [M, K], q, d, m [N, K/G] float32, q4) -> [M, N]: packed_blocks.cpp, built on first use
-    for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; cached by torch under
-    ~/.cache/torch_extensions)."""
-    global _ext
-    if _ext is None:
-        from torch.utils.cpp_extension import load
-
-        # named for this CPU's instruction sets: torch caches builds by name, and a -march=native build from
-        # another machine (a shared home) could hold instructions this one lacks
-        _ext = load(f"skillcache_packed_blocks_{_cpu_tag()}", [str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
-    return _ext.blocks_mm
-
-
-def _cpu_tag() -> str:
-    import hashlib
-    import platform
-
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
 def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
@@ -111,7 +84,7 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        y = _kernel()(x.reshape(rows, self.in_features), self.q, self.d, self.m, self.q4)  # [M, N]
+        y = extension().blocks_mm(x.reshape(rows, self.in_features), self.q, self.d, self.m, self.q4)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -11,7 +11,7 @@
 // float32's 4, and the weight is never written out. The output rows split across the calling thread's torch threads.
 // Every (row, output) sums in the same order whatever M is (32 lane sums over the blocks, then a fixed halving tree),
 // so a request's numbers do not depend on what else is in its batch.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -78,17 +78,17 @@ constexpr PassFn PASSES[ROWS] = {pass<1, Q4>, pass<2, Q4>, pass<3, Q4>, pass<4, 
                                  pass<5, Q4>, pass<6, Q4>, pass<7, Q4>, pass<8, Q4>};
 }  // namespace
 
-torch::Tensor blocks_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, bool q4) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8),
+at::Tensor blocks_mm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, bool q4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: [M, K] float32");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (q4 ? at::kByte : at::kChar),
               "q: [N, K/2] uint8 (q4) or [N, K] int8, contiguous");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
               m.is_contiguous(), "d, m: [N, K/32] float32, contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.size(1) == (q4 ? K / 2 : K) && K % G == 0 && d.numel() == N * (K / G) && m.numel() == N * (K / G),
               "shapes: x [M, K], q [N, K/2] or [N, K], d and m [N, K/32]");
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const int64_t row_bytes = q4 ? K / 2 : K;
@@ -111,5 +111,3 @@ torch::Tensor blocks_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
   }
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("blocks_mm", &blocks_mm, "x W^T on GGUF blocks, float32"); }

@@ -156,7 +156,7 @@ def test_no_compiler_leaves_the_model_on_float32(monkeypatch):
     def broken():
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(packed, "_kernel", broken)
+    monkeypatch.setattr(packed, "extension", broken)
     assert pack_linears(fast.model) == {}
     assert all(type(m) is not PackedLinear for m in fast.model.modules())
     x = torch.randn(2, fast.model.config.hidden_size)

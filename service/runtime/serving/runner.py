@@ -8,14 +8,19 @@ RoPE) runs unchanged.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import DynamicCache
 
 from service.kv.batch import BatchKV
+from service.runtime import attention
 
 
 class DecodeBatch:
-    def __init__(self, rt) -> None:
+    def __init__(self, rt, kernel_attention: bool = True) -> None:
+        """kernel_attention: steps of a float32 sdpa model on the CPU run attention on service/runtime/attention.py's
+        kernel (SKILLCACHE_DECODE_ATTENTION)."""
         self.rt, self.model = rt, rt.model
         cfg = rt.config  # the text config
         self.layer_types = getattr(cfg, "layer_types", None)  # models that list them take masks by layer type
@@ -23,6 +28,7 @@ class DecodeBatch:
         eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         self.additive_dtype = self.model.dtype if eager else None  # eager adds the mask; sdpa takes bool
         self.kv = BatchKV()
+        self.kernel_attention = kernel_attention and attention.usable(self.model)
 
     @property
     def n_rows(self) -> int:
@@ -47,7 +53,8 @@ class DecodeBatch:
         step_cache = self.kv.step_cache()
         masks = step_cache.masks(self.layer_types, self.sliding_window, self.additive_dtype)
         input_ids = torch.tensor(tokens, device=self.kv.device)[:, None]  # [B, 1]
-        out = self.model(input_ids=input_ids, position_ids=step_cache.positions[:, None], attention_mask=masks,
-                         cache=step_cache, use_cache=True, logits_to_keep=1)
+        with attention.kernel_attention(self.rt.config) if self.kernel_attention else nullcontext():
+            out = self.model(input_ids=input_ids, position_ids=step_cache.positions[:, None], attention_mask=masks,
+                             cache=step_cache, use_cache=True, logits_to_keep=1)
         self.kv.advance()
         return out.logits[:, -1].float()  # [B, V]
