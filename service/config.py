@@ -29,10 +29,11 @@ class Settings(BaseSettings):
                                 "float32 arithmetic. About 2x per one-row decode step (docs/BENCHMARKS.md, 'Packed "
                                 "decode'). Built at the first start (~35 s) with a C++ compiler and ninja; without "
                                 "them the service logs a warning and stays on float32 matmuls")
-    decode_attention: bool = Field(True, description="CPU, float32, sdpa models: a decode step's attention on a C++ "
-                                   "kernel that reads each key and value once for the query heads sharing it "
-                                   "(docs/BENCHMARKS.md, 'Decode attention'); built with packed decode's kernel. "
-                                   "Off, or without a compiler: torch's sdpa")
+    attention_kernel: bool = Field(True, description="CPU, sdpa models: decode steps' attention (float32) on a C++ "
+                                   "kernel that reads each key and value once for the query heads sharing it, and "
+                                   "masked prefills (tails, seams) on sdpa's grouped-query path instead of copying "
+                                   "K/V per query head (docs/BENCHMARKS.md, 'Decode attention'); built with packed "
+                                   "decode's kernel. Off, or without a compiler: transformers' sdpa as it is")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads of the model's thread (every other "

@@ -1,16 +1,21 @@
-"""A decode step's attention on a C++ kernel (decode_attention.cpp), for float32 sdpa models on the CPU.
+"""Attention for forwards of few query tokens, for float32 sdpa models on the CPU: decode steps and short prefills.
 
-At eight rows of ~2.5k tokens a decode step of the embedded model spent most of its time in attention, not in the
-linears: torch's CPU sdpa over the K/V of one query token took ~3x the time of reading that K/V once (8 rows: ~75-90
-ms of a ~140 ms step; docs/BENCHMARKS.md, "Decode attention"). The kernel reads every key and value once for the
-query heads that share it, splits the columns into chunks so one row also spreads over the threads, and computes in
-float32 (softmax with a ~1 ulp exp; closer to a float64 reference than sdpa here). A row's result depends only on
-its own q, K, V and mask, never on the other rows of the batch (bitwise).
+Decode steps: at eight rows of ~2.5k tokens a step of the embedded model spent most of its time in attention, not in
+the linears: torch's CPU sdpa over the K/V of one query token took ~3x the time of reading that K/V once (8 rows:
+~75-90 ms of a ~140 ms step; docs/BENCHMARKS.md, "Decode attention"). decode_attention.cpp reads every key and value
+once for the query heads that share it, splits the columns into chunks so one row also spreads over the threads,
+and computes in float32 (softmax with a ~1 ulp exp; closer to a float64 reference than sdpa here). A row's result
+depends only on its own q, K, V and mask, never on the other rows of the batch (bitwise).
 
-Only the decode batch's step uses it (service/runtime/serving/runner.py): for that forward the text config's
-attention implementation is this module's, registered with transformers' AttentionInterface, and any call it does
-not fit (more than one query token, soft-capping, sinks, another dtype or device) goes to transformers' sdpa as
-before. Prefill, seams and reference forwards never see it. On by default (SKILLCACHE_DECODE_ATTENTION).
+Masked prefills (a repeated order's ~30-token tail over a 2.4k-token prefix, seams, session turns): transformers
+takes sdpa's grouped-query path on the CPU only without a mask, and otherwise copies K/V once per query head
+(repeat_kv: 3x the embedded model's K/V per layer per forward). Here they run sdpa's grouped-query path with the
+mask: the same numbers, bitwise, in ~1/3 of the attention time.
+
+The runtime's forwards and the decode batch's steps run under `kernel_attention`: for that forward the text config's
+attention implementation is this module's (registered with transformers' AttentionInterface, its masks sdpa's), and
+anything it does not fit (soft-capping, sinks, another dtype or device) goes to transformers' sdpa as before. On by
+default (SKILLCACHE_ATTENTION_KERNEL).
 """
 
 from __future__ import annotations
@@ -20,43 +25,49 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from service.runtime.native import extension
 
 log = logging.getLogger(__name__)
-NAME = "skillcache_decode"
+NAME = "skillcache_few_queries"
 _usable: bool | None = None  # the kernel built and agreed with sdpa here (checked once a process)
 
 
-def decode_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                             **kwargs):
-    """transformers' attention signature: query [B, Hq, 1, Dk], key [B, Hkv, T, Dk], value [B, Hkv, T, Dv],
-    attention_mask [B, 1, 1, T] bool (True = attend) or None -> ([B, 1, Hq, Dv], None)."""
+def few_queries_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention signature: query [B, Hq, Q, Dk], key [B, Hkv, T, Dk], value [B, Hkv, T, Dv],
+    attention_mask [B, 1, Q, T] bool (True = attend) or None -> ([B, Q, Hq, Dv], None)."""
     b, hq, q_len, dk = query.shape
-    hkv, t = key.shape[1], key.shape[2]
+    hkv, t, dv = key.shape[1], key.shape[2], value.shape[-1]
     mask = attention_mask
-    fits = (q_len == 1 and dropout == 0.0 and hq % hkv == 0 and hq // hkv <= 16 and max(dk, value.shape[-1]) <= 256
-            and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and key.stride(-1) == 1 and value.stride(-1) == 1
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
-                                  and mask.shape[-1] == t and mask.shape[0] in (1, b)))
-            and not any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias")))
-    if not fits:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = scaling if scaling is not None else dk ** -0.5
-    q = query.reshape(b, hkv, hq // hkv, dk)  # kv head h serves query heads h*G..h*G+G-1, as repeat_kv
-    rows = None if mask is None else mask[:, 0, 0, :].expand(b, t)  # [B, T]
-    out = extension().decode_attention(q, key, value, rows, float(scale))  # [B, Hkv, G, Dv]
-    return out.reshape(b, 1, hq, value.shape[-1]), None  # [B, 1, Hq, Dv]
+    plain = (dropout == 0.0 and hq % hkv == 0 and query.device.type == "cpu"
+             and not any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias")))
+    bool_mask = (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+                 and mask.shape[2] == q_len and mask.shape[3] == t and mask.shape[0] in (1, b))
+    if plain and q_len == 1 and (mask is None or bool_mask) and max(dk, dv) <= 256 and hq // hkv <= 16 \
+            and query.dtype == key.dtype == value.dtype == torch.float32 and key.stride(-1) == value.stride(-1) == 1:
+        scale = scaling if scaling is not None else dk ** -0.5
+        q = query.reshape(b, hkv, hq // hkv, dk)  # kv head h serves query heads h*G..h*G+G-1, as repeat_kv
+        rows = None if mask is None else mask[:, 0, 0, :].expand(b, t)  # [B, T]
+        out = extension().decode_attention(q, key, value, rows, float(scale))  # [B, Hkv, G, Dv]
+        return out.reshape(b, 1, hq, dv), None  # [B, 1, Hq, Dv]
+    if plain and q_len > 1 and bool_mask and hq != hkv:
+        # sdpa's grouped-query path, which transformers takes on the CPU only without a mask: the same numbers as
+        # its repeat_kv path (bitwise, tests/runtime/test_attention.py) without copying K/V per query head
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)  # [B, Hq, Q, Dv]
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
-AttentionInterface.register(NAME, decode_attention_forward)
+AttentionInterface.register(NAME, few_queries_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # a forward under it builds sdpa's masks (bool, True = attend)
 
 
 def usable(model) -> bool:
-    """Whether a decode step of `model` can run on the kernel: CPU, float32, sdpa, and the kernel builds here."""
+    """Whether `model`'s forwards can run under kernel_attention: CPU, float32, sdpa, and the kernel builds here."""
     global _usable
     cfg = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu" or model.dtype != torch.float32 or cfg._attn_implementation != "sdpa":
@@ -72,8 +83,12 @@ def usable(model) -> bool:
 
 
 @contextmanager
-def kernel_attention(config):
-    """For one forward: `config`'s attention layers (the text config) run decode_attention_forward."""
+def kernel_attention(config, on: bool = True):
+    """For one forward: `config`'s attention layers (the text config) run few_queries_attention (on=False: as they
+    are)."""
+    if not on:
+        yield
+        return
     before = config._attn_implementation
     config._attn_implementation = NAME
     try:
@@ -86,13 +101,16 @@ def kernel_attention(config):
 def _check() -> None:
     """Build the kernel and check it against sdpa on rows of different lengths."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 8, 1, 32), (3, 2, 70, 32), (3, 2, 70, 32)))
-    mask = (torch.arange(70)[None, :] < torch.tensor([70, 33, 1])[:, None])[:, None, None, :]  # [3, 1, 1, 70]
+    k, v = torch.randn(3, 2, 70, 32, generator=g), torch.randn(3, 2, 70, 32, generator=g)
+    cols, ends = torch.arange(70), torch.tensor([70, 33, 5])
 
     class _Heads:
         num_key_value_groups = 4
 
-    got, _ = decode_attention_forward(_Heads(), q, k, v, mask, scaling=0.2)
-    want, _ = sdpa_attention_forward(_Heads(), q, k, v, mask, scaling=0.2)
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        raise RuntimeError("the kernel differs from sdpa")
+    for q_len in (1, 5):  # a decode step; a short prefill, causal
+        q = torch.randn(3, 8, q_len, 32, generator=g)
+        mask = cols[None, None, :] < (ends[:, None] - q_len + 1 + torch.arange(q_len))[:, :, None]  # [3, Q, 70]
+        got, _ = few_queries_attention(_Heads(), q, k, v, mask[:, None], scaling=0.2)
+        want, _ = sdpa_attention_forward(_Heads(), q, k, v, mask[:, None], scaling=0.2)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"the kernel differs from sdpa ({q_len} query tokens)")

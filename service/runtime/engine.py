@@ -14,6 +14,7 @@ from service.errors import ContextTooLong, InvalidRequest
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, block_from_cache, cache_bytes, new_cache, truncate
 from service.kv.rope import KeyRotator
+from service.runtime import attention
 from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
 from service.runtime.prompt import PromptBuilder, PromptPlan, Segment
@@ -77,6 +78,9 @@ class ModelRuntime:
         self._anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # L x [1, H_kv, A, D], lazily
         self._bytes_per_token: int | None = None
         self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
+        # few-query forwards (decode steps, tails, seams) on service/runtime/attention.py where it fits the model;
+        # build_runtime turns it off when SKILLCACHE_ATTENTION_KERNEL is false
+        self.kernel_attention = attention.usable(self.model)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.tokenizer.eos_token_id is not None:
@@ -89,7 +93,8 @@ class ModelRuntime:
         """Run ids at positions start.. onto cache (appending to it); return last logits [V] fp32."""
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # [1, T]
-        out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        with attention.kernel_attention(self.config, self.kernel_attention):
+            out = self.model(input_ids=input_ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()  # [V]
 
     @torch.inference_mode()

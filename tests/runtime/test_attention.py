@@ -45,7 +45,7 @@ def test_it_gives_sdpas_attention(b, hkv, g, t, dk, dv):
         "shared": (cols < t // 2 + 1)[:, None, None, :],  # one [1, 1, 1, T] mask for every row
     }
     for name, mask in masks.items():
-        got, _ = attention.decode_attention_forward(Heads(g), q, k, v, mask, scaling=0.17)
+        got, _ = attention.few_queries_attention(Heads(g), q, k, v, mask, scaling=0.17)
         want = _sdpa(q, k, v, mask, 0.17).reshape(got.shape)
         assert got.shape == (b, 1, hkv * g, dv)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5, msg=name)
@@ -55,10 +55,10 @@ def test_a_rows_numbers_do_not_depend_on_its_batch():
     q, k, v = _inputs(5, 3, 3, 700, 64, 64, seed=3)
     lengths = torch.tensor([700, 5, 256, 257, 600])
     mask = (torch.arange(700)[None, :] < lengths[:, None])[:, None, None, :]
-    batch, _ = attention.decode_attention_forward(Heads(3), q, k, v, mask, scaling=0.125)
+    batch, _ = attention.few_queries_attention(Heads(3), q, k, v, mask, scaling=0.125)
     for r in range(5):
         n = int(lengths[r])  # alone, and with only its own columns: the same bits
-        alone, _ = attention.decode_attention_forward(Heads(3), q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n],
+        alone, _ = attention.few_queries_attention(Heads(3), q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n],
                                                       mask[r:r + 1, ..., :n], scaling=0.125)
         assert torch.equal(alone, batch[r:r + 1])
 
@@ -69,7 +69,7 @@ def test_masked_columns_never_reach_the_output():
     k[:, :, 40:] = float("nan")  # padding that was never written
     v[:, :, 40:] = float("inf")
     mask = (torch.arange(64) < 40)[None, None, None, :].expand(2, 1, 1, 64)
-    got, _ = attention.decode_attention_forward(Heads(2), q, k, v, mask, scaling=0.25)
+    got, _ = attention.few_queries_attention(Heads(2), q, k, v, mask, scaling=0.25)
     want = _sdpa(q[..., :], k[:, :, :40], v[:, :, :40], None, 0.25).reshape(got.shape)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
@@ -81,11 +81,24 @@ def test_calls_it_does_not_fit_go_to_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "extension", lambda: type("E", (), {"decode_attention": boom}))
     q, k, v = _inputs(2, 2, 2, 30, 16, 16)
     prefill = torch.randn(2, 4, 3, 16)  # three query tokens
-    attention.decode_attention_forward(Heads(2), prefill, k, v, None, scaling=0.25)
-    attention.decode_attention_forward(Heads(2), q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=0.25)
-    attention.decode_attention_forward(Heads(2), q, k, v, torch.zeros(2, 1, 1, 30), scaling=0.25)  # additive mask
+    attention.few_queries_attention(Heads(2), prefill, k, v, None, scaling=0.25)
+    attention.few_queries_attention(Heads(2), prefill, k, v, torch.ones(2, 1, 3, 30, dtype=torch.bool), scaling=0.25)
+    attention.few_queries_attention(Heads(2), q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=0.25)
+    attention.few_queries_attention(Heads(2), q, k, v, torch.zeros(2, 1, 1, 30), scaling=0.25)  # additive mask
     with pytest.raises(ValueError, match="softcap"):  # sdpa's own answer to soft-capping
-        attention.decode_attention_forward(Heads(2), q, k, v, None, scaling=0.25, softcap=30.0)
+        attention.few_queries_attention(Heads(2), q, k, v, None, scaling=0.25, softcap=30.0)
+
+
+@pytest.mark.parametrize("q_len,t", [(30, 2421), (5, 90), (256, 700)])
+def test_a_masked_prefill_gives_transformers_own_numbers(q_len, t):
+    """More than one query token: sdpa's grouped-query path, bitwise what transformers' repeat_kv path gives."""
+    q, k, v = _inputs(2, 3, 3, t, 64, 64, seed=5)
+    q = torch.randn(2, 9, q_len, 64, generator=torch.Generator().manual_seed(6))
+    causal = torch.arange(t)[None, :] <= (t - q_len + torch.arange(q_len))[:, None]  # [Q, T]
+    mask = causal[None, None].expand(2, 1, q_len, t)
+    got, _ = attention.few_queries_attention(Heads(3), q, k, v, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(Heads(3), q, k, v, mask, scaling=0.125)
+    assert torch.equal(got, want)
 
 
 def test_only_float32_sdpa_models_on_the_cpu_use_it():
@@ -113,6 +126,7 @@ def test_the_decode_batch_runs_its_steps_on_it(family, monkeypatch):
                 return ext.decode_attention(*a)
         return Counted
 
+    assert rt.kernel_attention
     logits = {}
     for kernel in (True, False):
         batch = DecodeBatch(rt, kernel_attention=kernel)

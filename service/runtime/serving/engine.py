@@ -35,12 +35,11 @@ class EngineConfig:
     background_share: float = 0.1
     background_idle_s: float = 0.1
     torch_threads: int = 0  # the engine thread's; every other thread gets one (service/runtime/threads.py)
-    decode_attention: bool = True  # decode steps' attention on the C++ kernel where it fits (runtime/attention.py)
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
         return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
-                   s.background_idle_ms / 1e3, s.torch_threads, s.decode_attention)
+                   s.background_idle_ms / 1e3, s.torch_threads)
 
 
 class ServingEngine:
@@ -64,7 +63,7 @@ class ServingEngine:
         from service.runtime.decode import TokenStream
         from service.runtime.serving.runner import DecodeBatch
 
-        self.rt, self.batch, self._stream_cls = rt, DecodeBatch(rt, self.config.decode_attention), TokenStream
+        self.rt, self.batch, self._stream_cls = rt, DecodeBatch(rt), TokenStream
         self.bytes_per_token = rt.kv_bytes_per_token()
 
     def _submit(self, work: Work) -> Job:

@@ -8,8 +8,6 @@ RoPE) runs unchanged.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from transformers import DynamicCache
 
@@ -18,9 +16,9 @@ from service.runtime import attention
 
 
 class DecodeBatch:
-    def __init__(self, rt, kernel_attention: bool = True) -> None:
-        """kernel_attention: steps of a float32 sdpa model on the CPU run attention on service/runtime/attention.py's
-        kernel (SKILLCACHE_DECODE_ATTENTION)."""
+    def __init__(self, rt, kernel_attention: bool | None = None) -> None:
+        """kernel_attention: steps run attention on service/runtime/attention.py's kernel (None: as the runtime does,
+        SKILLCACHE_ATTENTION_KERNEL where it fits the model)."""
         self.rt, self.model = rt, rt.model
         cfg = rt.config  # the text config
         self.layer_types = getattr(cfg, "layer_types", None)  # models that list them take masks by layer type
@@ -28,7 +26,7 @@ class DecodeBatch:
         eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         self.additive_dtype = self.model.dtype if eager else None  # eager adds the mask; sdpa takes bool
         self.kv = BatchKV()
-        self.kernel_attention = kernel_attention and attention.usable(self.model)
+        self.kernel_attention = rt.kernel_attention if kernel_attention is None else kernel_attention
 
     @property
     def n_rows(self) -> int:
@@ -53,7 +51,7 @@ class DecodeBatch:
         step_cache = self.kv.step_cache()
         masks = step_cache.masks(self.layer_types, self.sliding_window, self.additive_dtype)
         input_ids = torch.tensor(tokens, device=self.kv.device)[:, None]  # [B, 1]
-        with attention.kernel_attention(self.rt.config) if self.kernel_attention else nullcontext():
+        with attention.kernel_attention(self.rt.config, self.kernel_attention):
             out = self.model(input_ids=input_ids, position_ids=step_cache.positions[:, None], attention_mask=masks,
                              cache=step_cache, use_cache=True, logits_to_keep=1)
         self.kv.advance()
