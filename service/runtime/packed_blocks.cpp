@@ -51,6 +51,54 @@ inline void decode(const uint8_t* __restrict q, int64_t b, float d, float m, flo
   }
 }
 
+#if defined(__AVX512F__)
+// decode() with the block's 32 weights left in two registers (lanes 0-15, 16-31): the same two roundings
+template <bool Q4>
+inline void decode_regs(const uint8_t* __restrict q, int64_t b, float d, float m, __m512& w0, __m512& w1) {
+  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+  __m512 lo, hi;
+  if constexpr (Q4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (G / 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+  } else {
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G;
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16))));
+  }
+  w0 = _mm512_add_ps(_mm512_mul_ps(lo, vd), vm);
+  w1 = _mm512_add_ps(_mm512_mul_ps(hi, vd), vm);
+}
+
+// The 32 lanes' sums of one row, in the portable code's order: lanes j + 16, then j + 8, + 4, + 2, + 1
+inline float halving_sum(__m512 a0, __m512 a1) {
+  const __m512 s = _mm512_add_ps(a0, a1);
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+// The R rows' 32 lane sums in registers (2R of the 32 vector registers), the block decoded once for all of them
+template <int R, bool Q4>
+inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
+                 const float* __restrict m, float* __restrict out) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / G; ++b) {
+    __m512 w0, w1;
+    decode_regs<Q4>(q, b, d[b], m[b], w0, w1);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * G;
+      a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0[r]);
+      a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + G / 2), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = halving_sum(a0[r], a1[r]);
+}
+#else
 template <int R, bool Q4>
 inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
                  const float* __restrict m, float* __restrict out) {
@@ -71,6 +119,7 @@ inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict
     out[r] = acc[r][0];
   }
 }
+#endif
 
 using PassFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, float*);
 template <bool Q4>
