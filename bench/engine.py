@@ -10,7 +10,8 @@ guard's background work off (every measured request is the arm's own) and torch'
 Scenarios (all requests stream, greedy, client-side timing):
   hol         a 2-token request on tool-specs, idle, and arriving 1 s into another request's 200-token answer
   throughput  N concurrent 48-token streams (composes of one shipped skill, a different question each):
-              completion tokens / wall time from the first send to the last [DONE], N in --streams
+              completion tokens / wall time from the first send to the last [DONE], N in --streams; and the
+              decode phase alone: each stream's tokens after its first / its time after its first, summed
   agree       16 mixed concurrent greedy requests (1-3 skills, several max_tokens): texts against the serial
               arm's, which runs them one at a time (batched rows differ from solo only at float rounding)
 """
@@ -84,7 +85,11 @@ async def throughput(url: str, n: int) -> dict:
         wall = time.perf_counter() - t0
     tokens = sum(r["usage"]["completion_tokens"] for r in recs if r.get("usage"))
     errors = [r["error"] for r in recs if r["error"]]
+    # each stream's tokens after its first over the time after its first, summed: the decode phase alone
+    decode = sum((r["usage"]["completion_tokens"] - 1) / (r["e2e_s"] - r["ttft_s"]) for r in recs
+                 if r.get("usage") and r["ttft_s"] and r["e2e_s"] > r["ttft_s"])
     return {"streams": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "errors": errors,
+            "decode_tokens_per_s": decode,
             "ttft_p50_ms": statistics.median(r["ttft_s"] for r in recs if r["ttft_s"]) * 1e3}
 
 
@@ -123,7 +128,8 @@ def run(args) -> dict:
                     row = asyncio.run(throughput(svc.url, n))
                     res["throughput"].append(row)
                     print(f"  {n:2d} streams: {row['tokens_per_s']:6.1f} tokens/s ({row['tokens']} tokens in "
-                          f"{row['wall_s']:.1f} s) errors {row['errors']}", flush=True)
+                          f"{row['wall_s']:.1f} s), decode phase {row['decode_tokens_per_s']:6.1f} tokens/s, "
+                          f"errors {row['errors']}", flush=True)
             if "agree" in args.scenarios and name in ("batched", "serial"):
                 got = asyncio.run(texts(svc.url, 16))
                 serial_texts, batched_texts = (got, batched_texts) if name == "serial" else (serial_texts, got)
