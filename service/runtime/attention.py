@@ -25,8 +25,8 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from service.runtime.native import extension
 
@@ -77,7 +77,7 @@ def usable(model) -> bool:
             _check()
             _usable = True
         except Exception as e:  # noqa: BLE001 - no C++ compiler or ninja, an unsupported platform: torch's sdpa
-            log.warning("decode attention kernel off: %s; decode steps use torch's sdpa", e)
+            log.warning("attention kernel off: %s; forwards use transformers' sdpa", e)
             _usable = False
     return _usable
 
