@@ -32,6 +32,4 @@ def build_runtime(settings: Settings):
             log.info("packed decode: %s linears run decode steps on their blocks", counts)
     fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
                            quantization=settings.quantization)
-    rt = ModelRuntime(loaded, fp)
-    rt.kernel_attention = rt.kernel_attention and settings.attention_kernel
-    return rt
+    return ModelRuntime(loaded, fp, kernel_attention=settings.attention_kernel)

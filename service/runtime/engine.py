@@ -65,7 +65,7 @@ def _inside(i: int, spans: list[tuple[int, int]]) -> bool:
 
 
 class ModelRuntime:
-    def __init__(self, loaded: LoadedModel, fingerprint: str) -> None:
+    def __init__(self, loaded: LoadedModel, fingerprint: str, kernel_attention: bool = True) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -78,9 +78,9 @@ class ModelRuntime:
         self._anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # L x [1, H_kv, A, D], lazily
         self._bytes_per_token: int | None = None
         self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
-        # few-query forwards (decode steps, tails, seams) on service/runtime/attention.py where it fits the model;
-        # build_runtime turns it off when SKILLCACHE_ATTENTION_KERNEL is false
-        self.kernel_attention = attention.usable(self.model)
+        # few-query forwards (decode steps, tails, seams) on service/runtime/attention.py where it fits the model
+        # (SKILLCACHE_ATTENTION_KERNEL; off: the kernel is neither built nor checked)
+        self.kernel_attention = kernel_attention and attention.usable(self.model)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.tokenizer.eos_token_id is not None:

@@ -141,3 +141,18 @@ def test_the_decode_batch_runs_its_steps_on_it(family, monkeypatch):
     assert len(calls) == rt.config.num_hidden_layers
     assert rt.config._attn_implementation == "sdpa"  # only for the step
     torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=1e-4)
+
+
+def test_switched_off_the_runtime_neither_builds_nor_uses_it(monkeypatch):
+    from service.runtime.engine import ModelRuntime
+    from service.runtime.loader import build_random_model
+    from tiny import tiny_config, tiny_tokenizer
+
+    def no_build(model):
+        raise AssertionError("the kernel was built or checked with the setting off")
+
+    monkeypatch.setattr(attention, "usable", no_build)
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = "sdpa"
+    rt = ModelRuntime(build_random_model(cfg, tiny_tokenizer()), "fp", kernel_attention=False)
+    assert rt.kernel_attention is False and DecodeBatch(rt).kernel_attention is False
