@@ -2,12 +2,16 @@
 
     python bench/kernels.py --json bench/out/kernels.json
 
+    python bench/kernels.py --rows 1 8 16 25 32 64 --before 2e0bb9d --rounds 4   # beside an earlier commit's kernel
+
 Every linear of the embedded model's shape (30 layers x q, k, v, o, gate, up, down, and the 49,152-row LM head),
 each with its own random Q4_1 weight (so the weights come from memory, not cache, as in a real step), run once per
-step for M rows of float32 input: float32 `x @ W^T`; service/runtime/packed.py's kernel on the blocks; torch's
-`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32 paths). Everything
-runs on one thread that claims torch's threads (service/runtime/threads.py), as the serving engine runs the model, and
-nothing runs torch on the main thread. Reported: ms per step (median of --repeats) for each M in --rows.
+step for M rows of float32 input: float32 `x @ W^T`; service/runtime/packed.py's kernel on the blocks; with
+--before REV, the kernel of commit REV (packed_blocks.cpp of the row layout before 379f011: one output row at a
+time); torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32
+paths). Everything runs on one thread that claims torch's threads (service/runtime/threads.py), as the serving engine
+runs the model, and nothing runs torch on the main thread. The arms alternate --rounds times; reported: ms per step
+for each M in --rows, the lowest of the rounds' medians of --repeats.
 """
 
 from __future__ import annotations
@@ -45,6 +49,33 @@ def weights(seed: int = 0):
     return out
 
 
+def before_kernel(rev: str, ws):
+    """The row-layout kernel of commit `rev` (built here) and each weight's blocks in its layout: q [N, K/2] uint8
+    (byte j of a block: values j and j + 16) or [N, K] int8, d and m [N, K/32] float32."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    src = subprocess.run(["git", "show", f"{rev}:service/runtime/packed_blocks.cpp"], check=True, capture_output=True,
+                         text=True).stdout
+    src += ("\n#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {\n  mod.def(\"blocks_mm\", "
+            "&blocks_mm, pybind11::call_guard<pybind11::gil_scoped_release>());\n}\n")
+    path = Path(tempfile.mkdtemp()) / "before.cpp"
+    path.write_text(src)
+    ext = load(f"skillcache_before_{rev}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                                                       "-ffp-contract=off"])
+    rows = []
+    for w, (q, d, m, kind), *_ in ws:
+        n = q.shape[0]
+        if kind == "q4_1":
+            g = q.view(n, -1, 2, 16).to(torch.uint8)
+            q = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1)
+        rows.append((w.shape[1], q.contiguous(), d.float().contiguous(), m.float().contiguous(), kind == "q4_1"))
+    return ext, rows
+
+
 def timed(fn, repeats: int) -> float:
     fn()
     times = []
@@ -74,9 +105,12 @@ def run() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-kernels", action="store_true", help="also torch's int4/int8 kernels (slow)")
+    ap.add_argument("--before", help="also the packed kernel of this commit (git rev), built here")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the arms this many times; the lowest counts")
     ap.add_argument("--json")
     args = ap.parse_args()
     ws = weights()
+    before = before_kernel(args.before, ws) if args.before else None
     packed = []
     for w, blocks, *_ in ws:
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -86,9 +120,14 @@ def run() -> None:
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k) for k in (576, 1536)}
-            row = {"rows": m,
-                   "float32_ms": timed(lambda: [xs[w.shape[1]] @ w.t() for w, *_ in ws], args.repeats),
-                   "packed_ms": timed(lambda: [p(xs[p.in_features]) for p in packed], args.repeats)}
+            arms = {"float32_ms": lambda: [xs[w.shape[1]] @ w.t() for w, *_ in ws],
+                    "packed_ms": lambda: [p(xs[p.in_features]) for p in packed]}
+            if before is not None:
+                arms["before_ms"] = lambda: [before[0].blocks_mm(xs[k], q, d, mm, q4) for k, q, d, mm, q4 in before[1]]
+            row = {"rows": m}
+            for _ in range(args.rounds):
+                for name, fn in arms.items():
+                    row[name] = min(row.get(name, float("inf")), timed(fn, args.repeats))
             if args.torch_kernels:
                 row["int4pack_ms"] = timed(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(
                     xs[w.shape[1]], i4, GROUP, sz) for w, _, i4, sz, _, _ in ws], 1)
