@@ -12,8 +12,10 @@
 // Each column is decoded once into a register (q * d, then + m: two roundings, built with -ffp-contract=off, so the
 // float32 weight the model was loaded with, bit for bit) and multiplied into up to RT input rows at once, x[r, k]
 // broadcast (an outer product, as a float32 GEMM's inner kernel does it): RT rows cost RT fused multiply-adds a
-// column, and the decode is paid once for them. The previous kernel (one output row at a time, 32 lane sums and a
-// horizontal sum per row and output) spent ~2x the FMA time at 8 rows (docs/BENCHMARKS.md, "Packed decode").
+// column, and the decode is paid once for them. Inputs of more than RT rows decode each panel once into a buffer
+// (K x 16 floats, L1 / L2) that every tile of RT rows reads. The kernel before this layout (one output row at a
+// time: 32 lane sums and a horizontal sum per row and output, the block decoded again for every output row) took
+// 1.3x the time at 8 rows and 1.9x at 25 (docs/BENCHMARKS.md, "Packed decode"; bench/kernels.py --before).
 //
 // Every (row, output) sums in the same order whatever M is: two partial sums, the first 16 and the last 16 columns
 // of each block, each over the blocks in k order, added at the end. So a request's numbers do not depend on what
