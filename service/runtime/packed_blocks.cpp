@@ -38,38 +38,50 @@ constexpr int P = 16;   // output rows per panel (one float32 vector register)
 constexpr int RT = 8;   // input rows per tile: 2 x RT accumulators + the decoded columns stay in registers
 
 #if defined(__AVX512F__)
-// One panel's 16 outputs for R input rows (x: row r at x + r * ldx), written to y + r * ldy.
-template <int R, bool Q4>
-inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict q,
-                 const float* __restrict d, const float* __restrict m, float* __restrict y, int64_t ldy) {
-  __m512 a0[R], a1[R];  // columns 0-15 and 16-31 of every block
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+// NP panels' 16 outputs each for R input rows (x: row r at x + r * ldx), written to y + r * ldy; panel i's levels at
+// q + i * panel_q, its scales at d, m + i * panel_s. Each output's sums are the same whatever R and NP are: NP > 1
+// only gives a few rows more independent chains to overlap.
+template <int R, int NP, bool Q4>
+inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict q, int64_t panel_q,
+                 const float* __restrict d, const float* __restrict m, int64_t panel_s, float* __restrict y,
+                 int64_t ldy) {
+  __m512 a0[NP][R], a1[NP][R];  // columns 0-15 and 16-31 of every block
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < R; ++r) a0[i][r] = a1[i][r] = _mm512_setzero_ps();
   const __m128i low4 = _mm_set1_epi8(15);
   for (int64_t b = 0; b < K / G; ++b) {
-    const __m512 vd = _mm512_loadu_ps(d + b * P), vm = _mm512_loadu_ps(m + b * P);
+    __m512 vd[NP], vm[NP];
+    for (int i = 0; i < NP; ++i) {
+      vd[i] = _mm512_loadu_ps(d + i * panel_s + b * P);
+      vm[i] = _mm512_loadu_ps(m + i * panel_s + b * P);
+    }
     const float* xb = x + b * G;
 #pragma GCC unroll 2
     for (int j = 0; j < G / 2; ++j) {
-      __m512 lo, hi;  // the levels of columns 32b+j and 32b+j+16, 16 outputs each
-      if constexpr (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (b * (G / 2) + j) * P));
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
-      } else {
-        const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G * P;
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + j * P))));
-        hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + (j + G / 2) * P))));
-      }
-      const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(lo, vd), vm);
-      const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(hi, vd), vm);
-      for (int r = 0; r < R; ++r) {
-        a0[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[r * ldx + j]), a0[r]);
-        a1[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[r * ldx + j + G / 2]), a1[r]);
+      for (int i = 0; i < NP; ++i) {
+        __m512 lo, hi;  // the levels of columns 32b+j and 32b+j+16, 16 outputs each
+        if constexpr (Q4) {
+          const __m128i raw =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * panel_q + (b * (G / 2) + j) * P));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+        } else {
+          const int8_t* qb = reinterpret_cast<const int8_t*>(q + i * panel_q) + b * G * P;
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + j * P))));
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + (j + G / 2) * P))));
+        }
+        const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(lo, vd[i]), vm[i]);
+        const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(hi, vd[i]), vm[i]);
+        for (int r = 0; r < R; ++r) {
+          a0[i][r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[r * ldx + j]), a0[i][r]);
+          a1[i][r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[r * ldx + j + G / 2]), a1[i][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(a0[r], a1[r]));
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + i * P + r * ldy, _mm512_add_ps(a0[i][r], a1[i][r]));
 }
 
 // A panel decoded once into w [K, 16] (column k's 16 weights at w + 16k): the same two roundings as tile()
@@ -119,8 +131,8 @@ inline void tile_decoded(const float* __restrict x, int64_t ldx, int64_t K, cons
 }
 #else
 template <int R, bool Q4>
-inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict q,
-                 const float* __restrict d, const float* __restrict m, float* __restrict y, int64_t ldy) {
+inline void tile1(const float* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict q,
+                  const float* __restrict d, const float* __restrict m, float* __restrict y, int64_t ldy) {
   float a0[R][P] = {}, a1[R][P] = {};
   for (int64_t b = 0; b < K / G; ++b) {
     const float* xb = x + b * G;
@@ -147,6 +159,14 @@ inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const uint8_
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i) y[r * ldy + i] = a0[r][i] + a1[r][i];
+}
+
+template <int R, int NP, bool Q4>
+inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict q, int64_t panel_q,
+                 const float* __restrict d, const float* __restrict m, int64_t panel_s, float* __restrict y,
+                 int64_t ldy) {
+  for (int i = 0; i < NP; ++i)
+    tile1<R, Q4>(x, ldx, K, q + i * panel_q, d + i * panel_s, m + i * panel_s, y + i * P, ldy);
 }
 
 template <bool Q4>
@@ -184,10 +204,15 @@ inline void tile_decoded(const float* __restrict x, int64_t ldx, int64_t K, cons
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, const float*, int64_t,
+                       float*, int64_t);
+// a decode step of R rows: R <= 4 take two panels at a time (more chains in flight), R > 4 one
 template <bool Q4>
-constexpr TileFn TILES[RT] = {tile<1, Q4>, tile<2, Q4>, tile<3, Q4>, tile<4, Q4>,
-                              tile<5, Q4>, tile<6, Q4>, tile<7, Q4>, tile<8, Q4>};
+constexpr TileFn PAIRS[RT] = {tile<1, 2, Q4>, tile<2, 2, Q4>, tile<3, 2, Q4>, tile<4, 2, Q4>,
+                              tile<5, 1, Q4>, tile<6, 1, Q4>, tile<7, 1, Q4>, tile<8, 1, Q4>};
+template <bool Q4>
+constexpr TileFn SINGLES[RT] = {tile<1, 1, Q4>, tile<2, 1, Q4>, tile<3, 1, Q4>, tile<4, 1, Q4>,
+                                tile<5, 1, Q4>, tile<6, 1, Q4>, tile<7, 1, Q4>, tile<8, 1, Q4>};
 using DecodedFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t);
 constexpr DecodedFn DECODED[RT] = {tile_decoded<1>, tile_decoded<2>, tile_decoded<3>, tile_decoded<4>,
                                    tile_decoded<5>, tile_decoded<6>, tile_decoded<7>, tile_decoded<8>};
@@ -209,15 +234,20 @@ at::Tensor blocks_mm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, boo
   const float* mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panel_q = K * P / (q4 ? 2 : 1), panel_s = (K / G) * P;
-  const TileFn* tiles = q4 ? TILES<true> : TILES<false>;
+  const TileFn* pairs = q4 ? PAIRS<true> : PAIRS<false>;
+  const TileFn* singles = q4 ? SINGLES<true> : SINGLES<false>;
   // OpenMP directly, on the calling thread's count from libtorch: at::parallel_for's header code would start this
   // library's own copy of ATen's per-thread setup, which resets the thread to torch's process-wide count (the
   // serving engine's thread keeps its own; service/runtime/threads.py)
   const int threads = at::get_num_threads();
   if (M <= RT) {  // a decode step: each column decoded in registers, straight into the rows' sums
+    const int np = M <= 4 ? 2 : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; ++p)
-      tiles[M - 1](xp, K, K, qp + p * panel_q, dp + p * panel_s, mp + p * panel_s, yp + p * P, N);
+    for (int64_t g = 0; g < (panels + np - 1) / np; ++g) {
+      const int64_t p = g * np;
+      (p + np <= panels ? pairs : singles)[M - 1](xp, K, K, qp + p * panel_q, panel_q, dp + p * panel_s,
+                                                 mp + p * panel_s, panel_s, yp + p * P, N);
+    }
     return y;
   }
   // more rows: each panel decoded once (K x 16 floats, in L1 / L2), then every tile of RT rows reads it
