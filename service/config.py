@@ -24,9 +24,8 @@ class Settings(BaseSettings):
         "activations bfloat16), w8a8 (int8 weights and int8 activations with one scale per token); norms, "
         "attention and K/V stay in `dtype`. docs/BENCHMARKS.md 'CPU weight formats' has speed and quality")
     packed_decode: bool = Field(True, description="CPU, float32: linears whose weights are exactly GGUF Q4_1/Q8_0 "
-                                "blocks (the embedded model's) run inputs of up to 32 rows (decode steps, seams, short "
-                                "tails) on the blocks through a C++ kernel, prefill chunks on float32 matmuls; the "
-                                "same weights in "
+                                "blocks (the embedded model's) run inputs of up to 8 rows (decode steps, seams) on the "
+                                "blocks through a C++ kernel, prefill chunks on float32 matmuls; the same weights in "
                                 "float32 arithmetic. About 2x per one-row decode step (docs/BENCHMARKS.md, 'Packed "
                                 "decode'). Built at the first start (~35 s) with a C++ compiler and ninja; without "
                                 "them the service logs a warning and stays on float32 matmuls")

@@ -1,4 +1,4 @@
-"""Packed decode: the linears of decode steps and short prefills read the weights in their GGUF block format.
+"""Packed decode: a decode step's linears read the weights in the block format they were quantized in.
 
 A GGUF model's weights arrive quantized (the embedded SmolLM2: Q4_1 for every linear, Q8_0 for the tied embedding
 and LM head) and are loaded as the float32 values those blocks decode to. A decode step of a few rows is bound by
@@ -9,13 +9,12 @@ reading the weights: 537 MB of float32 per step on the embedded model, ~45 ms of
 Q4_1 `w = d * q + m` (q in 0..15, d and m float16: m is the block's minimum, d its range / 15) or Q8_0 `w = d * q`
 (q in -127..127, d = the block's largest magnitude / 127), and keeps them only where they decode back to the very
 same float32 weight, bit for bit. Any other weight (a float16 or bfloat16 checkpoint, random test weights) stays as
-it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, seams, a composed prompt's tail, a
-session turn) through packed_blocks.cpp, which holds the blocks in panels of 16 output rows, decodes each column once
-and multiplies it into up to 8 rows at a time in float32 (the weight is never written out whole), and longer inputs
-(prefill chunks) through the float32 matmul, which is faster there. The arithmetic stays float32 on the same weights,
-so this is the same model; the kernel sums in another order than the BLAS, so its outputs differ from the matmul's
-at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does not depend on how many rows the
-input has, up to `max_rows` (bitwise, tests/runtime/test_packed.py).
+it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, a seam) through packed_blocks.cpp
+(each block decoded in registers and multiplied into every row, float32, the weight never written out) and longer
+inputs (prefill chunks, bound by compute) through the float32 matmul as before. The arithmetic stays float32 on the same
+weights, so this is the same model; the kernel sums in another order than the BLAS, so its outputs differ from the
+matmul's at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does not depend on how many
+rows the step has, up to `max_rows` (bitwise, tests/runtime/test_packed.py).
 
 On by default (SKILLCACHE_PACKED_DECODE). A C++ extension rather than torch.compile: a compiled call went through
 dynamo's per-call path, ~80 us on the main thread and ~140-180 us from the serving engine's, 211 calls a step, which
@@ -34,8 +33,7 @@ from service.runtime.native import extension
 
 log = logging.getLogger(__name__)
 GROUP = 32  # values per block (GGUF's Q4_0/Q4_1/Q8_0)
-PANEL = 16  # output rows per panel of the kernel's layout; a linear with another number of outputs stays float32
-MAX_ROWS = 32  # inputs of more rows (prefill chunks): the float32 matmul, as fast from ~64 rows on (BENCHMARKS.md)
+MAX_ROWS = 8  # decode steps of more rows: the float32 matmul (docs/BENCHMARKS.md, "Packed decode")
 
 
 def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
@@ -60,36 +58,26 @@ def _levels(x: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return torch.where(df > 0, torch.round(x / torch.where(df > 0, df, 1.0)), 0.0).clamp(lo, hi)
 
 
-def _panels(s: torch.Tensor) -> torch.Tensor:
-    """[N, K/G] block scales -> [N/P, K/G, P] float32."""
-    n, kb = s.shape
-    return s.float().view(n // PANEL, PANEL, kb).permute(0, 2, 1).contiguous()
-
-
 def _pack(q, d, m, shape, kind):
     n, k = shape
     return q.to(torch.int8).reshape(n, k), d.reshape(n, k // GROUP), m.reshape(n, k // GROUP), kind
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear whose inputs of up to `max_rows` rows run on the weight's blocks; `weight` is the original float32
-    parameter (shared: a tied LM head keeps the embedding's)."""
+    """nn.Linear whose few-row inputs run on the weight's blocks; `weight` is the original float32 parameter (shared:
+    a tied LM head keeps the embedding's)."""
 
     def __init__(self, linear: nn.Linear, blocks, max_rows: int = MAX_ROWS) -> None:
         super().__init__()
         q, d, m, self.kind = blocks
         self.weight, self.bias = linear.weight, linear.bias
         self.q4 = self.kind == "q4_1"
-        n, k = q.shape
-        # panels of PANEL output rows, the kernel's layout (packed_blocks.cpp): one column of a panel's block is
-        # PANEL levels side by side; Q4_1 holds column j and column j + G/2 of a block in one byte
-        q = q.view(n // PANEL, PANEL, k // GROUP, GROUP).permute(0, 2, 3, 1)  # [N/P, K/G, G, P]
-        if self.q4:
-            q = q.to(torch.uint8)
-            q = q[:, :, :GROUP // 2] | (q[:, :, GROUP // 2:] << 4)  # [N/P, K/G, G/2, P]
-        self.register_buffer("q", q.contiguous(), persistent=False)
-        self.register_buffer("d", _panels(d), persistent=False)  # [N/P, K/G, P] float32 (exactly the float16 scales)
-        self.register_buffer("m", _panels(m), persistent=False)
+        if self.q4:  # two levels a byte: byte j of a block holds value j and value j + G/2 (GGUF's layout)
+            g = q.view(q.shape[0], -1, 2, GROUP // 2).to(torch.uint8)  # [N, K/G, 2, G/2]
+            q = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(q.shape[0], -1)
+        self.register_buffer("q", q, persistent=False)  # [N, K/2] uint8 (q4_1) or [N, K] int8 (q8_0)
+        self.register_buffer("d", d.float(), persistent=False)  # [N, K/G] float32 (exactly the float16 scales)
+        self.register_buffer("m", m.float(), persistent=False)
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +98,7 @@ def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
     """Replace every nn.Linear whose weight is exactly a Q4_1 / Q8_0 block format with a PackedLinear, compile and
     check the kernel; counts by kind ({} when nothing was packed, or the kernel could not be compiled here)."""
     found = [(name, mod, recover_blocks(mod.weight)) for name, mod in model.named_modules()
-             if isinstance(mod, nn.Linear) and mod.weight.device.type == "cpu" and mod.out_features % PANEL == 0]
+             if isinstance(mod, nn.Linear) and mod.weight.device.type == "cpu"]
     packed = [(name, PackedLinear(mod, blocks, max_rows)) for name, mod, blocks in found if blocks is not None]
     if not packed:
         return {}
