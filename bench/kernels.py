@@ -2,16 +2,17 @@
 
     python bench/kernels.py --json bench/out/kernels.json
 
-    python bench/kernels.py --rows 1 8 16 25 32 64 --before 2e0bb9d --rounds 4   # beside an earlier commit's kernel
+    python bench/kernels.py --rows 1 8 16 --before 0002ed5 --rounds 4   # beside an earlier commit's kernel
 
 Every linear of the embedded model's shape (30 layers x q, k, v, o, gate, up, down, and the 49,152-row LM head),
 each with its own random Q4_1 weight (so the weights come from memory, not cache, as in a real step), run once per
 step for M rows of float32 input: float32 `x @ W^T`; service/runtime/packed.py's kernel on the blocks; with
---before REV, the kernel of commit REV (packed_blocks.cpp of the row layout before 379f011: one output row at a
-time); torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32
-paths). Everything runs on one thread that claims torch's threads (service/runtime/threads.py), as the serving engine
-runs the model, and nothing runs torch on the main thread. The arms alternate --rounds times; reported: ms per step
-for each M in --rows, the lowest of the rounds' medians of --repeats.
+--before REV, the kernel of commit REV, built here (a packed_blocks.cpp that takes this tree's layout, two Q4_1
+levels a byte per output row: bd438ea on, but 379f011..46f6c2b, which tried panels, reverted in eef61e4); torch's
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` with float32 activations (their float32 paths). Everything
+runs on one thread that claims torch's threads (service/runtime/threads.py), as the serving engine runs the model,
+and nothing runs torch on the main thread. The arms alternate --rounds times; reported: ms per step for each M in
+--rows, the lowest of the rounds' medians of --repeats.
 """
 
 from __future__ import annotations
