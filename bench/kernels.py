@@ -50,9 +50,8 @@ def weights(seed: int = 0):
     return out
 
 
-def before_kernel(rev: str, ws):
-    """The row-layout kernel of commit `rev` (built here) and each weight's blocks in its layout: q [N, K/2] uint8
-    (byte j of a block: values j and j + 16) or [N, K] int8, d and m [N, K/32] float32."""
+def before_kernel(rev: str):
+    """The packed kernel of commit `rev`, built here; it must take this tree's block layout (PackedLinear's buffers)."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -65,16 +64,20 @@ def before_kernel(rev: str, ws):
             "&blocks_mm, pybind11::call_guard<pybind11::gil_scoped_release>());\n}\n")
     path = Path(tempfile.mkdtemp()) / "before.cpp"
     path.write_text(src)
-    ext = load(f"skillcache_before_{rev}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                       "-ffp-contract=off"])
-    rows = []
-    for w, (q, d, m, kind), *_ in ws:
-        n = q.shape[0]
-        if kind == "q4_1":
-            g = q.view(n, -1, 2, 16).to(torch.uint8)
-            q = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1)
-        rows.append((w.shape[1], q.contiguous(), d.float().contiguous(), m.float().contiguous(), kind == "q4_1"))
-    return ext, rows
+    return load(f"skillcache_before_{rev}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                                                        "-ffp-contract=off"])
+
+
+def through(ext, fn):
+    """fn() with PackedLinear calling `ext`'s kernel: both arms pay the same Python per call."""
+    from service.runtime import packed
+
+    current = packed.extension
+    packed.extension = lambda: ext
+    try:
+        return fn()
+    finally:
+        packed.extension = current
 
 
 def timed(fn, repeats: int) -> float:
@@ -111,7 +114,7 @@ def run() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     ws = weights()
-    before = before_kernel(args.before, ws) if args.before else None
+    before = before_kernel(args.before) if args.before else None
     packed = []
     for w, blocks, *_ in ws:
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -124,7 +127,7 @@ def run() -> None:
             arms = {"float32_ms": lambda: [xs[w.shape[1]] @ w.t() for w, *_ in ws],
                     "packed_ms": lambda: [p(xs[p.in_features]) for p in packed]}
             if before is not None:
-                arms["before_ms"] = lambda: [before[0].blocks_mm(xs[k], q, d, mm, q4) for k, q, d, mm, q4 in before[1]]
+                arms["before_ms"] = lambda: through(before, lambda: [p(xs[p.in_features]) for p in packed])
             row = {"rows": m}
             for _ in range(args.rounds):
                 for name, fn in arms.items():

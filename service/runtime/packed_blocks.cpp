@@ -25,34 +25,10 @@ namespace {
 constexpr int G = 32;     // values per block
 constexpr int ROWS = 8;   // input rows per pass over a weight row (their partial sums stay in registers / L1)
 
-// w = q * d + m for block b, rounded as float32 does it in two steps (built with -ffp-contract=off, so no fused
-// multiply-add merges them): exactly the float32 weight the model was loaded with.
-template <bool Q4>
-inline void decode(const uint8_t* __restrict q, int64_t b, float d, float m, float* __restrict w) {
-  if constexpr (Q4) {
-    const uint8_t* qb = q + b * (G / 2);
 #if defined(__AVX512F__)
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
-    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-    _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(lo, vd), vm));
-    _mm512_storeu_ps(w + G / 2, _mm512_add_ps(_mm512_mul_ps(hi, vd), vm));
-#else
-    for (int j = 0; j < G / 2; ++j) {
-      w[j] = float(qb[j] & 15) * d + m;
-      w[j + G / 2] = float(qb[j] >> 4) * d + m;
-    }
-#endif
-  } else {
-    const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G;
-    for (int j = 0; j < G; ++j) w[j] = float(qb[j]) * d + m;
-  }
-}
-
-#if defined(__AVX512F__)
-// decode() with the block's 32 weights left in two registers (lanes 0-15, 16-31): the same two roundings
+// w = q * d + m for block b, the block's 32 weights left in two registers (lanes 0-15, 16-31), rounded as float32
+// does it in two steps (built with -ffp-contract=off, so no fused multiply-add merges them): exactly the float32
+// weight the model was loaded with
 template <bool Q4>
 inline void decode_regs(const uint8_t* __restrict q, int64_t b, float d, float m, __m512& w0, __m512& w1) {
   const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
@@ -99,6 +75,22 @@ inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict
   for (int r = 0; r < R; ++r) out[r] = halving_sum(a0[r], a1[r]);
 }
 #else
+// w = q * d + m for block b, rounded as float32 does it in two steps (built with -ffp-contract=off, so no fused
+// multiply-add merges them): exactly the float32 weight the model was loaded with.
+template <bool Q4>
+inline void decode(const uint8_t* __restrict q, int64_t b, float d, float m, float* __restrict w) {
+  if constexpr (Q4) {
+    const uint8_t* qb = q + b * (G / 2);
+    for (int j = 0; j < G / 2; ++j) {
+      w[j] = float(qb[j] & 15) * d + m;
+      w[j + G / 2] = float(qb[j] >> 4) * d + m;
+    }
+  } else {
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G;
+    for (int j = 0; j < G; ++j) w[j] = float(qb[j]) * d + m;
+  }
+}
+
 template <int R, bool Q4>
 inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
                  const float* __restrict m, float* __restrict out) {

@@ -3,8 +3,9 @@
 torch's OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that ran a parallel region, and once
 the pools' threads outnumber the CPUs its workers stop spinning between regions and go to sleep, so every parallel
 region pays a wake-up. A decode step is hundreds of small regions. Measured on this 2-core box (docs/BENCHMARKS.md,
-"Packed decode", bench/threads.py): a cache-resident oneDNN linear (1536x576, one row) from a second thread took ~150 us once the main thread
-had run one parallel op, ~60 us when it had not; with one torch thread there is no pool and no difference. In the
+"Packed decode", bench/threads.py): a cache-resident oneDNN linear (1536x576, one row) from a second thread took
+~150 us once the main thread had run one parallel op, ~60 us when it had not; with one torch thread there is no pool
+and no difference. In the
 service the model used to load on a worker thread of asyncio's executor and store threads copy tensors, so the
 serving engine's thread was always the second pool.
 
