@@ -5,6 +5,9 @@
 The embedded model with packed decode, on one thread that claims torch's threads (as the serving engine runs it):
   step   a DecodeBatch decode step of B rows of --contexts tokens of real text (each row its own rotation of it),
          the kernel (SKILLCACHE_ATTENTION_KERNEL=true) vs sdpa (false); the greedy tokens of both arms are compared
+  shared a DecodeBatch step of B rows in --groups groups, each group's rows on the same --contexts-token prefix (a
+         skill many requests compose) and a 32-token text of their own: rows reading shared chunks of K/V from one
+         row (the default) vs each its own; the logits of both arms are compared bitwise
   tail   a repeated order's tail: --tail tokens prefilled after a --prefix-token exact prefix copied into a fresh
          cache (a refined order's first token: copy + tail forward), sdpa's grouped-query path vs transformers'
 The arms alternate within each of --repeats rounds; reported: the median ms of each arm and sdpa / kernel.
@@ -31,21 +34,43 @@ def _prefilled(rt, ids, rows: int) -> list:
     return out
 
 
-def _step_ms(rt, prefilled, kernel: bool, steps: int) -> tuple[float, list]:
+def _grouped(rt, ids, rows: int, groups: int, own: int = 32) -> list:
+    """Like _prefilled, but row r's cache is its group's prefix (ids rotated per group, prefilled once per group) and
+    then `own` tokens of its own."""
+    from service.kv.cache import append_kv, block_from_cache, new_cache
+
+    blocks = []
+    for g in range(groups):
+        cache = new_cache(rt.model.config)
+        text = ids[97 * g:] + ids[:97 * g]
+        rt.forward(text, 0, cache)
+        blocks.append(block_from_cache(cache, text, rt.fingerprint))
+    out = []
+    for r in range(rows):
+        block = blocks[r % groups]
+        cache = new_cache(rt.model.config, reserve_tokens=block.n_tokens + own)
+        append_kv(cache, block.keys, block.values)
+        tail = ids[own * r + 5:own * (r + 1) + 5]
+        out.append((cache, int(rt.forward(tail, block.n_tokens, cache).argmax())))
+    return out
+
+
+def _step_ms(rt, prefilled, kernel: bool, steps: int, share: bool = True) -> tuple[float, list]:
     from service.runtime.serving.runner import DecodeBatch
 
-    batch = DecodeBatch(rt, kernel_attention=kernel)
+    batch = DecodeBatch(rt, kernel_attention=kernel, share_chunks=share)
     for cache, _ in prefilled:  # join copies the cache into the batch: the prefilled caches stay as they are
         batch.join(cache, cache.get_seq_length() + steps + 3)
     toks = [t for _, t in prefilled]
-    times, greedy = [], []
+    times, logits = [], []
     for i in range(steps + 2):
         t0 = time.perf_counter()
-        toks = batch.step(toks).argmax(-1).tolist()
+        step = batch.step(toks)
+        toks = step.argmax(-1).tolist()
         if i >= 2:  # two warm-up steps
             times.append(time.perf_counter() - t0)
-        greedy.append(toks)
-    return statistics.median(times) * 1e3, greedy
+        logits.append(step)
+    return statistics.median(times) * 1e3, logits
 
 
 def _tail_ms(rt, block, tail: list[int], kernel: bool) -> float:
@@ -68,9 +93,9 @@ def run(args) -> dict:
     claim(0)
     rt = load_runtime("embedded", "cpu", "float32", packed=True)
     assert rt.kernel_attention, "the kernel did not build here"
-    out = {"step": [], "tail": None}
+    out = {"step": [], "shared": [], "tail": None}
     with torch.inference_mode():
-        for ctx in args.contexts:
+        for ctx in args.contexts if "step" in args.parts else []:
             ids = corpus_ids(rt, ctx)
             for rows in args.rows:
                 prefilled = _prefilled(rt, ids, rows)
@@ -80,12 +105,30 @@ def run(args) -> dict:
                     got = {k: _step_ms(rt, prefilled, k, args.steps) for k in (True, False)}
                     for k, (ms, _) in got.items():
                         arms[k].append(ms)
-                    same &= got[True][1] == got[False][1]
+                    same &= all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got[True][1], got[False][1]))
                 k, s = statistics.median(arms[True]), statistics.median(arms[False])
                 out["step"].append({"context": ctx, "rows": rows, "kernel_ms": k, "sdpa_ms": s, "x": s / k,
                                     "same_greedy": same})
                 print(f"step  {ctx:5d} tokens x {rows} rows: kernel {k:6.1f} ms, sdpa {s:6.1f} ms ({s / k:.2f}x), "
                       f"same greedy tokens: {same}", flush=True)
+        for ctx in args.contexts if "shared" in args.parts else []:
+            ids = corpus_ids(rt, ctx)
+            for rows in args.rows:
+                prefilled = _grouped(rt, ids, rows, args.groups)
+                arms = {True: [], False: []}
+                same = True
+                for _ in range(args.repeats):
+                    got = {k: _step_ms(rt, prefilled, True, args.steps, share=k) for k in (True, False)}
+                    for k, (ms, _) in got.items():
+                        arms[k].append(ms)
+                    same &= all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1]))
+                on, off = statistics.median(arms[True]), statistics.median(arms[False])
+                out["shared"].append({"context": ctx, "rows": rows, "groups": args.groups, "shared_ms": on,
+                                      "own_ms": off, "x": off / on, "same_logits": same})
+                print(f"shared {ctx:5d} tokens x {rows} rows in {args.groups} groups: shared {on:6.1f} ms, own "
+                      f"{off:6.1f} ms ({off / on:.2f}x), same logits (bitwise): {same}", flush=True)
+        if "tail" not in args.parts:
+            return out
         ids = corpus_ids(rt, args.prefix + args.tail)
         pre = new_cache(rt.model.config)
         rt.forward(ids[:args.prefix], 0, pre)
@@ -105,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2560])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--parts", nargs="+", choices=["step", "shared", "tail"], default=["step", "shared", "tail"])
+    ap.add_argument("--groups", type=int, default=3, help="shared: prefixes the rows are spread over")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=2391)

@@ -2,10 +2,16 @@
 
     python bench/engine.py --baseline-src /tmp/skillcache-before --json bench/out/engine.json --png docs/img/engine.png
 
-Each arm is a `python -m service` started here on loopback with the embedded model, the shipped skills, the
-guard's background work off (every measured request is the arm's own) and torch's own thread count:
+Each arm is a `python -m service` started here on loopback with the embedded model, the shipped skills, the guard's
+background work off (every measured request is the arm's own) and torch's own thread count. All arms are up at once,
+each idle but for its own rounds, and the rounds alternate between the arms, so a drift in the machine's speed falls
+on every arm alike:
   batched  this tree, default settings (SKILLCACHE_MAX_RUNNING_SEQS 16)
   serial   this tree, SKILLCACHE_MAX_RUNNING_SEQS=1: one request at a time on the same engine
+  unshared this tree, SKILLCACHE_SHARED_KV_READS=false: each decode row reads its own K/V, also where rows on the
+           same skill hold the same
+  tails-apart  this tree, SKILLCACHE_BATCH_TAILS=false: requests prefilled together run their tails one by one
+  neither  both of the last two (--arms picks among these; batched and serial by default)
   before   --baseline-src: a checkout of the commit before the serving engine (the one-request worker)
 Scenarios (all requests stream, greedy, client-side timing):
   hol         a 2-token request on tool-specs, idle, and arriving 1 s into another request's 200-token answer
@@ -108,35 +114,42 @@ async def texts(url: str, n: int) -> list[str]:
 
 
 def run(args) -> dict:
-    arms = {"batched": (ROOT, {}), "serial": (ROOT, {"SKILLCACHE_MAX_RUNNING_SEQS": "1"})}
+    arms = {"batched": (ROOT, {}), "serial": (ROOT, {"SKILLCACHE_MAX_RUNNING_SEQS": "1"}),
+            "unshared": (ROOT, {"SKILLCACHE_SHARED_KV_READS": "false"}),
+            "tails-apart": (ROOT, {"SKILLCACHE_BATCH_TAILS": "false"}),
+            "neither": (ROOT, {"SKILLCACHE_SHARED_KV_READS": "false", "SKILLCACHE_BATCH_TAILS": "false"})}
+    arms = {k: arms[k] for k in args.arms}
     if args.baseline_src:  # its own converted-model cache: an older loader names (and prunes) conversions otherwise
         arms["before"] = (Path(args.baseline_src), {"SKILLCACHE_MODEL_CACHE": str(Path(args.baseline_src) / ".models")})
-    results: dict = {"arms": {}, "agree": None}
-    serial_texts = batched_texts = None
-    for name, (root, env) in arms.items():
-        print(f"== {name} ({root})", flush=True)
-        svc = start(name, root, env)
-        try:
-            res: dict = {}
-            if "hol" in args.scenarios:
-                res["hol"] = asyncio.run(hol(svc.url, args.repeats))
-                print(f"  head-of-line: idle {res['hol']['idle_ttft_ms']:.0f} ms, during a long answer "
-                      f"{res['hol']['loaded_ttft_ms']:.0f} ms ({res['hol']['ratio']:.1f}x)", flush=True)
-            if "throughput" in args.scenarios:
-                res["throughput"] = []
-                for n in args.streams:
+    results: dict = {"arms": {name: {} for name in arms}, "agree": None}
+    texts_of: dict[str, list[str]] = {}
+    svcs: dict[str, ServiceProcess] = {}
+    try:  # every arm's service up at once, idle but for its own rounds: the rounds alternate between the arms
+        for name, (root, env) in arms.items():
+            print(f"== {name} ({root})", flush=True)
+            svcs[name] = start(name, root, env)
+        if "hol" in args.scenarios:
+            for name, svc in svcs.items():
+                res = results["arms"][name]["hol"] = asyncio.run(hol(svc.url, args.repeats))
+                print(f"  {name}: head-of-line: idle {res['idle_ttft_ms']:.0f} ms, during a long answer "
+                      f"{res['loaded_ttft_ms']:.0f} ms ({res['ratio']:.1f}x)", flush=True)
+        if "throughput" in args.scenarios:
+            for n in args.streams:
+                for name, svc in svcs.items():
                     row = asyncio.run(throughput(svc.url, n))
-                    res["throughput"].append(row)
-                    print(f"  {n:2d} streams: {row['tokens_per_s']:6.1f} tokens/s ({row['tokens']} tokens in "
-                          f"{row['wall_s']:.1f} s), decode phase {row['decode_tokens_per_s']:6.1f} tokens/s, "
-                          f"errors {row['errors']}", flush=True)
-            if "agree" in args.scenarios and name in ("batched", "serial"):
-                got = asyncio.run(texts(svc.url, 16))
-                serial_texts, batched_texts = (got, batched_texts) if name == "serial" else (serial_texts, got)
-            results["arms"][name] = res
-        finally:
+                    results["arms"][name].setdefault("throughput", []).append(row)
+                    print(f"  {name}: {n:2d} streams: {row['tokens_per_s']:6.1f} tokens/s ({row['tokens']} tokens "
+                          f"in {row['wall_s']:.1f} s), decode phase {row['decode_tokens_per_s']:6.1f} tokens/s, "
+                          f"first token p50 {row['ttft_p50_ms']:.0f} ms, errors {row['errors']}", flush=True)
+        if "agree" in args.scenarios:
+            for name in ("batched", "serial"):
+                if name in svcs:
+                    texts_of[name] = asyncio.run(texts(svcs[name].url, 16))
+    finally:
+        for svc in svcs.values():
             svc.stop()
             shutil.rmtree(svc.home, ignore_errors=True)
+    serial_texts, batched_texts = texts_of.get("serial"), texts_of.get("batched")
     if serial_texts and batched_texts:
         diff = [i for i, (a, b) in enumerate(zip(serial_texts, batched_texts)) if a != b]
         results["agree"] = {"n": 16, "equal": 16 - len(diff), "differ": [
@@ -178,6 +191,8 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=["hol", "throughput", "agree"],
                     choices=["hol", "throughput", "agree"])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--arms", nargs="+", choices=["batched", "serial", "unshared", "tails-apart", "neither"],
+                    default=["batched", "serial"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--png")

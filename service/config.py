@@ -34,6 +34,11 @@ class Settings(BaseSettings):
                                    "masked prefills (tails, seams) on sdpa's grouped-query path instead of copying "
                                    "K/V per query head (docs/BENCHMARKS.md, 'Decode attention'); built with packed "
                                    "decode's kernel. Off, or without a compiler: transformers' sdpa as it is")
+    shared_kv_reads: bool = Field(True, description="with the attention kernel: decode batch rows that hold the "
+                                  "same K/V in whole 256-token chunks (requests on the same skills, up to where "
+                                  "their texts part) read those chunks from one row, so they come from memory once "
+                                  "a step; the same numbers, bitwise (docs/BENCHMARKS.md, 'Serving engine'). Off: "
+                                  "each row reads its own copy, for A/B")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads of the model's thread (every other "

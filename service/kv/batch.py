@@ -6,8 +6,18 @@ step (what DynamicCache's torch.cat already costs for one row, engine.md section
 batching cannot start a request from spliced K/V (engine.md section 1). So the rows live here, right-padded:
 row b holds its sequence at columns 0..len_b-1, column == position (a composed cache is positional), and the
 step's new token goes to column len_b. A sequence's K/V is copied in once when it joins (after its prefill) and a
-row is moved once when another leaves (the last row fills the hole), never per step. Padding columns are zeros,
-never attended (the mask), so no NaN from uninitialised memory can reach P.V.
+row is moved once when another leaves (the last row fills the hole), never per step. A live row's columns past its
+length hold zeros (or the finite numbers of a row that left), never attended (the mask), so no NaN from
+uninitialised memory can reach P.V (sdpa multiplies a masked column's value by 0). Buffers are allocated empty and
+only live rows are written, so growing the batch does not zero-fill (and fault in) the slots no row uses yet.
+
+Shared chunks: concurrent requests on the same skills hold the same K/V up to where their texts part (a skill
+copied after the anchor, the same seams, a refined prefix: bitwise the same, service/runtime/engine.py). Each row
+still holds its own copy, but when a row joins, its whole chunks of SHARE_CHUNK columns are compared with the rows
+already here, and `sources()` tells the attention kernel which row to read each chunk from, so a skill's K/V comes
+from memory once a step for every row on it. At eight rows of a ~1k-token skill the rows' K/V reads were half of a
+step (docs/BENCHMARKS.md, "Serving engine"). A shared chunk lies before both rows' lengths when they join, so no
+step writes to it: it stays shared until a row leaves.
 """
 
 from __future__ import annotations
@@ -18,16 +28,21 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from service.kv.cache import new_cache
 
 _ROUND = 256  # capacity grows to a multiple of this many tokens
+SHARE_CHUNK = 256  # columns a shared chunk spans: the attention kernel's chunk (decode_attention.cpp)
 
 
 class BatchKV:
     """Per-layer buffers `[S, H_kv, cap, D]`; rows 0..n_rows-1 are live. All methods run on the model thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, share_chunks: bool = True) -> None:
+        self.share_chunks = share_chunks  # compare a joining row's chunks with the others' (sources())
         self.keys: list[torch.Tensor] = []  # L x [S, H_kv, cap, D]
         self.values: list[torch.Tensor] = []  # L x [S, H_kv, cap, Dv]
         self.lengths: list[int] = []  # per live row: tokens held
+        self.chunk_ids: list[list[int]] = []  # per live row: an id per whole chunk it held when it joined
         self.device: torch.device | None = None
+        self._next_id = 0
+        self._sources: torch.Tensor | None = None  # sources(), until rows change
 
     @property
     def n_rows(self) -> int:
@@ -46,14 +61,15 @@ class BatchKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _realloc(self, slots: int, cap: int) -> None:
-        """New zeroed buffers of `slots` rows x `cap` tokens, live rows copied over."""
+        """New buffers of `slots` rows x `cap` tokens, live rows copied over (zeros past the longest)."""
         n, t = self.n_rows, max(self.lengths, default=0)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             with torch.inference_mode(False):  # normal tensors, written in place in and outside inference mode
-                k2 = k.new_zeros((slots, k.shape[1], cap, k.shape[3]))
-                v2 = v.new_zeros((slots, v.shape[1], cap, v.shape[3]))
-            k2[:n, :, :t] = k[:n, :, :t]
-            v2[:n, :, :t] = v[:n, :, :t]
+                k2 = k.new_empty((slots, k.shape[1], cap, k.shape[3]))
+                v2 = v.new_empty((slots, v.shape[1], cap, v.shape[3]))
+            for new, old in ((k2, k), (v2, v)):
+                new[:n, :, :t] = old[:n, :, :t]
+                new[:n, :, t:].zero_()
             self.keys[i], self.values[i] = k2, v2
 
     @staticmethod
@@ -69,8 +85,8 @@ class BatchKV:
         if not self.keys:  # first row: shapes, dtype and device from the sequence
             self.device = layers[0].keys.device
             with torch.inference_mode(False):
-                self.keys = [lay.keys.new_zeros((1, lay.keys.shape[1], need, lay.keys.shape[3])) for lay in layers]
-                self.values = [lay.values.new_zeros((1, lay.values.shape[1], need, lay.values.shape[3]))
+                self.keys = [lay.keys.new_empty((1, lay.keys.shape[1], need, lay.keys.shape[3])) for lay in layers]
+                self.values = [lay.values.new_empty((1, lay.values.shape[1], need, lay.values.shape[3]))
                                for lay in layers]
         elif self.n_rows == self.slots or need > self.capacity:
             self._realloc(2 * self.slots if self.n_rows == self.slots else self.slots, max(self.capacity, need))
@@ -78,8 +94,51 @@ class BatchKV:
         for lay, k, v in zip(layers, self.keys, self.values):
             k[row, :, :n] = lay.keys[0]
             v[row, :, :n] = lay.values[0]
+            k[row, :, n:].zero_()
+            v[row, :, n:].zero_()
         self.lengths.append(n)
+        self.chunk_ids.append(self._chunk_ids(row, n // SHARE_CHUNK) if self.share_chunks else [])
+        self._sources = None
         return row
+
+    def _chunk_ids(self, row: int, n_chunks: int) -> list[int]:
+        """Ids for the new row's first n_chunks chunks: a chunk that holds bitwise what another row holds there, and
+        follows chunks it shares with that row, takes that row's id; the rest new ones."""
+        ids: list[int] = []
+        peers = list(range(row))  # rows that share every chunk so far
+        for c in range(n_chunks):
+            cols = slice(c * SHARE_CHUNK, (c + 1) * SHARE_CHUNK)
+            tried, match = set(), None
+            for r in peers:
+                cid = self.chunk_ids[r][c] if c < len(self.chunk_ids[r]) else None
+                if cid is None or cid in tried:
+                    continue
+                tried.add(cid)
+                if all(torch.equal(k[r, :, cols], k[row, :, cols]) and torch.equal(v[r, :, cols], v[row, :, cols])
+                       for k, v in zip(self.keys, self.values)):
+                    match = cid
+                    break
+            if match is None:
+                break
+            ids.append(match)
+            peers = [r for r in peers if c < len(self.chunk_ids[r]) and self.chunk_ids[r][c] == match]
+        while len(ids) < n_chunks:
+            ids.append(self._next_id)
+            self._next_id += 1
+        return ids
+
+    def sources(self) -> torch.Tensor | None:
+        """[B, C] int64: the row whose copy of chunk c row b's attention reads (the first row with that chunk's id;
+        a row past its own chunks reads itself); None when no chunk is shared."""
+        if self._sources is None:
+            first: dict[int, int] = {}
+            table = []
+            width = max(map(len, self.chunk_ids), default=0)
+            for b, ids in enumerate(self.chunk_ids):
+                table.append([first.setdefault(cid, b) for cid in ids] + [b] * (width - len(ids)))
+            shared = any(src != b for b, srcs in enumerate(table) for src in srcs)
+            self._sources = torch.tensor(table, dtype=torch.int64) if shared and width else torch.empty(0)
+        return self._sources if self._sources.numel() else None
 
     def remove(self, row: int) -> None:
         """Drop a row; the last row moves into its place (the caller renumbers it)."""
@@ -90,7 +149,10 @@ class BatchKV:
                 k[row, :, :t] = k[last, :, :t]
                 v[row, :, :t] = v[last, :, :t]
             self.lengths[row] = t
+            self.chunk_ids[row] = self.chunk_ids[last]
         self.lengths.pop()
+        self.chunk_ids.pop()
+        self._sources = None
         if not self.lengths:  # idle: give the memory back
             self.keys, self.values = [], []
 

@@ -12,6 +12,10 @@ takes sdpa's grouped-query path on the CPU only without a mask, and otherwise co
 (repeat_kv: 3x the embedded model's K/V per layer per forward). Here they run sdpa's grouped-query path with the
 mask: the same numbers, bitwise, in ~1/3 of the attention time.
 
+A decode batch's rows that hold the same K/V in whole chunks (the same skills, service/kv/batch.py) pass the kernel
+which row to read each chunk from (`kernel_attention(..., shared=...)`): the same numbers, bitwise, each shared chunk
+read from memory once a step for all of them.
+
 The runtime's forwards and the decode batch's steps run under `kernel_attention`: for that forward the text config's
 attention implementation is this module's (registered with transformers' AttentionInterface, its masks sdpa's), and
 anything it does not fit (soft-capping, sinks, another dtype or device) goes to transformers' sdpa as before. On by
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -33,6 +38,18 @@ from service.runtime.native import extension
 log = logging.getLogger(__name__)
 NAME = "skillcache_few_queries"
 _usable: bool | None = None  # the kernel built and agreed with sdpa here (checked once a process)
+
+
+@dataclass
+class Shared:
+    """Where a decode step's rows read each chunk of K/V from: `sources` [B, C] int64 (BatchKV.sources), valid for
+    the buffers whose storages are `storages` (a layer's K/V read from anywhere else reads its own rows)."""
+    sources: "torch.Tensor"
+    chunk: int
+    storages: frozenset[int]
+
+
+_shared: Shared | None = None  # the forward now running under kernel_attention(..., shared=...)
 
 
 def few_queries_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -50,7 +67,10 @@ def few_queries_attention(module, query, key, value, attention_mask, dropout: fl
         scale = scaling if scaling is not None else dk ** -0.5
         q = query.reshape(b, hkv, hq // hkv, dk)  # kv head h serves query heads h*G..h*G+G-1, as repeat_kv
         rows = None if mask is None else mask[:, 0, 0, :].expand(b, t)  # [B, T]
-        out = extension().decode_attention(q, key, value, rows, float(scale))  # [B, Hkv, G, Dv]
+        src = _shared if _shared is not None and _shared.sources.shape[0] == b and all(
+            x.untyped_storage().data_ptr() in _shared.storages for x in (key, value)) else None
+        out = extension().decode_attention(q, key, value, rows, float(scale), src.sources if src else None,
+                                           src.chunk if src else 0)  # [B, Hkv, G, Dv]
         return out.reshape(b, 1, hq, dv), None  # [B, 1, Hq, Dv]
     if plain and q_len > 1 and bool_mask and hq != hkv:
         # sdpa's grouped-query path, which transformers takes on the CPU only without a mask: the same numbers as
@@ -83,18 +103,19 @@ def usable(model) -> bool:
 
 
 @contextmanager
-def kernel_attention(config, on: bool = True):
+def kernel_attention(config, on: bool = True, shared: Shared | None = None):
     """For one forward: `config`'s attention layers (the text config) run few_queries_attention (on=False: as they
-    are)."""
+    are); `shared`: a decode step's rows read shared chunks of the batch's buffers from one row."""
+    global _shared
     if not on:
         yield
         return
     before = config._attn_implementation
-    config._attn_implementation = NAME
+    config._attn_implementation, _shared = NAME, shared
     try:
         yield
     finally:
-        config._attn_implementation = before
+        config._attn_implementation, _shared = before, None
 
 
 @torch.inference_mode()

@@ -1,7 +1,14 @@
 // A decode step's attention (service/runtime/attention.py): one query token per row, grouped-query heads, float32.
 //
-//   decode_attention(q [B, Hkv, G, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], mask [B, T] bool or None, scale)
+//   decode_attention(q [B, Hkv, G, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], mask [B, T] bool or None, scale,
+//                    sources [B, C] int64 or None, chunk)
 //     -> out [B, Hkv, G, Dv]     out[b, h, g] = softmax_t(scale * q[b, h, g] . k[b, h, t], t where mask[b, t]) . v
+//
+// sources: row b reads columns [c * CHUNK, (c + 1) * CHUNK) of its keys and values from row sources[b, c] (c < C;
+// chunk must be CHUNK). The decode batch passes it for rows that hold the same K/V there, bitwise (a shared skill
+// prefix, service/kv/batch.py), so those columns come from memory once for all of them: the tasks run chunk by
+// chunk with the rows innermost, and a chunk another row just read is still in this core's cache. The same numbers
+// as without it, bitwise: only where the (identical) values are read from changes.
 //
 // k and v may be views of a bigger buffer (the decode batch's rows, service/kv/batch.py): any strides but a
 // contiguous last dimension. Each key and value is read once for the G query heads that share it (torch's CPU
@@ -58,6 +65,12 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
 }
 
+inline float max_of(const float* s, int64_t n) {
+  __m512 top = _mm512_set1_ps(NEG_INF);
+  for (int64_t i = 0; i < n; i += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, tail(n - i), s + i));
+  return _mm512_reduce_max_ps(top);
+}
+
 // s[i] <- e^(s[i] - top) for i < n; returns their sum
 inline float exp_shift(float* s, int64_t n, float top) {
   const __m512 vt = _mm512_set1_ps(top);
@@ -81,6 +94,8 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = std::fma(p, x[i], y[i]);
 }
 
+inline float max_of(const float* s, int64_t n) { return *std::max_element(s, s + n); }
+
 inline float exp_shift(float* s, int64_t n, float top) {
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) sum += (s[i] = s[i] == NEG_INF ? 0.f : std::exp(s[i] - top));
@@ -90,7 +105,9 @@ inline float exp_shift(float* s, int64_t n, float top) {
 
 struct Views {
   const float *q, *k, *v;
-  const bool* mask;  // nullptr: every column
+  const bool* mask;        // nullptr: every column
+  const int64_t* sources;  // nullptr: every row its own; else [B, C_src], the row each chunk is read from
+  int64_t C_src;
   int64_t H, G, T, Dk, Dv;
   int64_t kb, kh, kt, vb, vh, vt;  // strides in elements
   float scale;
@@ -112,8 +129,38 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // s[g][i] = scale * q[g] . k[t0 + i] for i < n, four columns at a time (the last four padded with zero keys); GG:
 // the query heads, 0 = w.G at run time. A column's sum takes the same steps wherever it falls, so its score does not
 // depend on n (how long the batch's longest row is).
+// scores<GG> for keys of 64: the GG query heads' 4 slices held in registers for the whole chunk (GG <= 4: 16 of
+// the 32 vector registers, with 4 x GG sums and 4 keys' slices), the same sums in the same order as below
+template <int GG>
+void scores64(const Views& w, const float* q, const float* k, int64_t t0, int64_t n, float (*s)[CHUNK]) {
+  __m512 qr[GG][4];
+  for (int g = 0; g < GG; ++g)
+    for (int j = 0; j < 4; ++j) qr[g][j] = _mm512_loadu_ps(q + g * 64 + 16 * j);
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t live = std::min<int64_t>(4, n - i);
+    const float* rows[4];
+    for (int c = 0; c < 4; ++c) rows[c] = c < live ? k + (t0 + i + c) * w.kt : ZEROS;
+    __m512 a[GG][4];
+    for (int g = 0; g < GG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      __m512 kc[4];
+      for (int c = 0; c < 4; ++c) kc[c] = _mm512_loadu_ps(rows[c] + 16 * j);
+      for (int g = 0; g < GG; ++g)
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(qr[g][j], kc[c], a[g][c]);
+    }
+    for (int g = 0; g < GG; ++g) {
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(w.scale)));
+      for (int64_t c = 0; c < live; ++c) s[g][i + c] = r[c];
+    }
+  }
+}
+
 template <int GG>
 void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t n, float (*s)[CHUNK]) {
+  if constexpr (GG >= 1 && GG <= 4) {
+    if (w.Dk == 64) return scores64<GG>(w, q, k, t0, n, s);
+  }
   constexpr int64_t GM = GG ? GG : MAX_G;
   const int64_t G = GG ? GG : w.G;
   const __m512 zero = _mm512_setzero_ps();
@@ -198,15 +245,20 @@ void partial(const Views& w, int64_t b, int64_t h, int64_t t0, int64_t t1, float
   }
   if (attended == n) mask = nullptr;  // the whole chunk: no column to skip
   float s[MAX_G][CHUNK];
-  scores<GG>(w, w.q + (b * w.H + h) * G * w.Dk, w.k + b * w.kb + h * w.kh, t0, n, s);
+  const int64_t c = t0 / CHUNK, src = w.sources && c < w.C_src ? w.sources[b * w.C_src + c] : b;
+  scores<GG>(w, w.q + (b * w.H + h) * G * w.Dk, w.k + src * w.kb + h * w.kh, t0, n, s);
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (mask && !mask[t0 + i]) s[g][i] = NEG_INF;  // also drops whatever a masked column's key held
-      top[g] = std::max(top[g], s[g][i]);
+    if (mask) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (!mask[t0 + i]) s[g][i] = NEG_INF;  // also drops whatever a masked column's key held
+        top[g] = std::max(top[g], s[g][i]);
+      }
+    } else {
+      top[g] = max_of(s[g], n);
     }
     sum[g] = exp_shift(s[g], n, top[g]);
   }
-  weighted<GG, NJ>(w, w.v + b * w.vb + h * w.vh, mask, t0, n, s, acc);
+  weighted<GG, NJ>(w, w.v + src * w.vb + h * w.vh, mask, t0, n, s, acc);
 }
 
 using PartialFn = void (*)(const Views&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
@@ -232,7 +284,7 @@ PartialFn pick(int64_t G, int64_t Dv) {
 }  // namespace
 
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask_in,
-                            double scale) {
+                            double scale, const std::optional<at::Tensor>& sources_in, int64_t chunk) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q [B, Hkv, G, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "float32 q, k, v");
@@ -248,8 +300,20 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, const std:
                 "mask: [B, T] bool");
     mask = mask.contiguous();
   }
+  at::Tensor sources = sources_in.has_value() ? *sources_in : at::Tensor();
+  if (sources.defined()) {
+    TORCH_CHECK(chunk == CHUNK, "sources: chunks of ", CHUNK, " columns, not ", chunk);
+    TORCH_CHECK(sources.scalar_type() == at::kLong && sources.dim() == 2 && sources.size(0) == B,
+                "sources: [B, C] int64");
+    sources = sources.contiguous();
+    const int64_t* p = sources.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(p, p + sources.numel(), [B](int64_t r) { return r >= 0 && r < B; }),
+                "sources: rows of this batch");
+  }
   const Views w{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                mask.defined() ? mask.data_ptr<bool>() : nullptr, H, G, T, Dk, Dv,
+                mask.defined() ? mask.data_ptr<bool>() : nullptr,
+                sources.defined() ? sources.data_ptr<int64_t>() : nullptr, sources.defined() ? sources.size(1) : 0,
+                H, G, T, Dk, Dv,
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale)};
   const int64_t C = std::max<int64_t>(1, (T + CHUNK - 1) / CHUNK);
   std::vector<float> tops(B * H * C * G), sums(B * H * C * G), accs(B * H * C * G * Dv);
@@ -262,10 +326,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, const std:
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < B * H * C; ++task) {
-      const int64_t c = task % C, bh = task / C;
-      const int64_t t0 = c * CHUNK, t1 = std::min(T, t0 + CHUNK);
-      fn(w, bh / H, bh % H, t0, t1, &tops[task * G], &sums[task * G], &accs[task * G * Dv]);
+    for (int64_t job = 0; job < H * C * B; ++job) {  // (head, chunk, row): rows that share a chunk read it in turn
+      const int64_t b = job % B, c = (job / B) % C, h = job / (B * C);
+      const int64_t t0 = c * CHUNK, t1 = std::min(T, t0 + CHUNK), task = (b * H + h) * C + c;
+      fn(w, b, h, t0, t1, &tops[task * G], &sums[task * G], &accs[task * G * Dv]);
     }
 #pragma omp for schedule(static)
     for (int64_t bhg = 0; bhg < B * H * G; ++bhg) {  // merge the chunks in order

@@ -156,3 +156,68 @@ def test_switched_off_the_runtime_neither_builds_nor_uses_it(monkeypatch):
     cfg._attn_implementation = "sdpa"
     rt = ModelRuntime(build_random_model(cfg, tiny_tokenizer()), "fp", kernel_attention=False)
     assert rt.kernel_attention is False and DecodeBatch(rt).kernel_attention is False
+
+
+@pytest.mark.parametrize("dk", [64, 32])  # keys of 64 hold the query heads in registers; others the general code
+def test_rows_read_shared_chunks_from_their_source_row(dk):
+    """sources[b, c]: row b reads chunk c of K/V from that row. Where the source holds the same numbers the output is
+    bitwise the one without sources; where it holds others, only that row's output changes (the read moved)."""
+    ext = attention.extension()
+    chunk, t = 256, 600
+    q, k, v = _inputs(3, 2, 3, t, dk, dk, seed=5)
+    q = q.reshape(3, 2, 3, dk)
+    k, v = k.clone(), v.clone()
+    k[1, :, :2 * chunk], v[1, :, :2 * chunk] = k[0, :, :2 * chunk], v[0, :, :2 * chunk]  # rows 0, 1 alike there
+    mask = torch.ones(3, t, dtype=torch.bool)
+    mask[2, 500:] = False
+    alone = ext.decode_attention(q, k, v, mask, 0.125, None, 0)
+    shared = ext.decode_attention(q, k, v, mask, 0.125, torch.tensor([[0, 0], [0, 0], [2, 2]]), chunk)
+    assert torch.equal(shared, alone)
+    moved = ext.decode_attention(q, k, v, mask, 0.125, torch.tensor([[0, 0], [1, 1], [2, 0]]), chunk)
+    assert torch.equal(moved[:2], alone[:2]) and not torch.allclose(moved[2], alone[2])
+    with pytest.raises(RuntimeError, match="rows of this batch"):
+        ext.decode_attention(q, k, v, mask, 0.125, torch.tensor([[0, 0], [0, 3], [2, 2]]), chunk)
+    with pytest.raises(RuntimeError, match="chunks of 256"):
+        ext.decode_attention(q, k, v, mask, 0.125, torch.tensor([[0, 0], [0, 0], [2, 2]]), 128)
+
+
+def test_decode_rows_on_the_same_prefix_read_it_once_and_get_the_same_logits(monkeypatch):
+    """Rows composed on the same 300-token prefix: the step passes the kernel sources, and its logits are bitwise
+    those of the rows each reading their own copy."""
+    from service.kv.cache import append_kv
+
+    rt = tiny_runtime("llama")
+    prefix = new_cache(rt.model.config)
+    rt.forward(random_ids(300, seed=1), 0, prefix)
+    seen = []
+    real = attention.extension
+
+    def recording():
+        ext = real()
+
+        class Recorded:
+            blocks_mm = ext.blocks_mm
+
+            @staticmethod
+            def decode_attention(*a):
+                seen.append(None if a[5] is None else a[5].tolist())
+                return ext.decode_attention(*a)
+        return Recorded
+
+    monkeypatch.setattr(attention, "extension", recording)
+    logits = {}
+    for share in (True, False):
+        batch = DecodeBatch(rt, share_chunks=share)
+        for n in (5, 12):
+            cache = new_cache(rt.model.config)
+            append_kv(cache, [lay.keys for lay in prefix.layers], [lay.values for lay in prefix.layers])
+            rt.forward(random_ids(n, seed=n), 300, cache)
+            batch.join(cache, 300 + n + 4)
+        solo = new_cache(rt.model.config)
+        rt.forward(random_ids(280, seed=2), 0, solo)
+        batch.join(solo, 290)
+        logits[share] = [batch.step([3, 4, 5]), batch.step([6, 7, 8])]
+    assert seen[0] == [[0], [0], [2]]  # rows 0 and 1 share the first chunk; the third row reads its own
+    assert all(s is None for s in seen[-2 * rt.config.num_hidden_layers:])
+    for a, b in zip(logits[True], logits[False]):
+        assert torch.equal(a, b)

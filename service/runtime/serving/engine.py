@@ -35,11 +35,12 @@ class EngineConfig:
     background_share: float = 0.1
     background_idle_s: float = 0.1
     torch_threads: int = 0  # the engine thread's; every other thread gets one (service/runtime/threads.py)
+    shared_kv_reads: bool = True  # rows holding the same K/V chunks read them from one row (service/kv/batch.py)
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
         return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
-                   s.background_idle_ms / 1e3, s.torch_threads)
+                   s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads)
 
 
 class ServingEngine:
@@ -63,7 +64,8 @@ class ServingEngine:
         from service.runtime.decode import TokenStream
         from service.runtime.serving.runner import DecodeBatch
 
-        self.rt, self.batch, self._stream_cls = rt, DecodeBatch(rt), TokenStream
+        self.rt, self.batch = rt, DecodeBatch(rt, share_chunks=self.config.shared_kv_reads)
+        self._stream_cls = TokenStream
         self.bytes_per_token = rt.kv_bytes_per_token()
 
     def _submit(self, work: Work) -> Job:

@@ -11,22 +11,24 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from service.kv.batch import BatchKV
+from service.kv.batch import SHARE_CHUNK, BatchKV
 from service.runtime import attention
 
 
 class DecodeBatch:
-    def __init__(self, rt, kernel_attention: bool | None = None) -> None:
+    def __init__(self, rt, kernel_attention: bool | None = None, share_chunks: bool = True) -> None:
         """kernel_attention: steps run attention on service/runtime/attention.py's kernel (None: as the runtime does,
-        SKILLCACHE_ATTENTION_KERNEL where it fits the model)."""
+        SKILLCACHE_ATTENTION_KERNEL where it fits the model); share_chunks: rows holding the same K/V chunks read
+        them from one row there (False: each its own, for A/B)."""
         self.rt, self.model = rt, rt.model
         cfg = rt.config  # the text config
         self.layer_types = getattr(cfg, "layer_types", None)  # models that list them take masks by layer type
         self.sliding_window = getattr(cfg, "sliding_window", None)
         eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         self.additive_dtype = self.model.dtype if eager else None  # eager adds the mask; sdpa takes bool
-        self.kv = BatchKV()
         self.kernel_attention = rt.kernel_attention if kernel_attention is None else kernel_attention
+        self.share_chunks = share_chunks and self.kernel_attention  # only the kernel reads shared chunks
+        self.kv = BatchKV(share_chunks=self.share_chunks)
 
     @property
     def n_rows(self) -> int:
@@ -51,8 +53,16 @@ class DecodeBatch:
         step_cache = self.kv.step_cache()
         masks = step_cache.masks(self.layer_types, self.sliding_window, self.additive_dtype)
         input_ids = torch.tensor(tokens, device=self.kv.device)[:, None]  # [B, 1]
-        with attention.kernel_attention(self.rt.config, self.kernel_attention):
+        with attention.kernel_attention(self.rt.config, self.kernel_attention, self._shared()):
             out = self.model(input_ids=input_ids, position_ids=step_cache.positions[:, None], attention_mask=masks,
                              cache=step_cache, use_cache=True, logits_to_keep=1)
         self.kv.advance()
         return out.logits[:, -1].float()  # [B, V]
+
+    def _shared(self) -> attention.Shared | None:
+        """Rows that hold the same chunks of K/V read them from one row (service/kv/batch.py); off: None."""
+        sources = self.kv.sources() if self.share_chunks else None
+        if sources is None:
+            return None
+        storages = frozenset(t.untyped_storage().data_ptr() for t in (*self.kv.keys, *self.kv.values))
+        return attention.Shared(sources, SHARE_CHUNK, storages)
