@@ -9,9 +9,7 @@ on every arm alike:
   batched  this tree, default settings (SKILLCACHE_MAX_RUNNING_SEQS 16)
   serial   this tree, SKILLCACHE_MAX_RUNNING_SEQS=1: one request at a time on the same engine
   unshared this tree, SKILLCACHE_SHARED_KV_READS=false: each decode row reads its own K/V, also where rows on the
-           same skill hold the same
-  tails-apart  this tree, SKILLCACHE_BATCH_TAILS=false: requests prefilled together run their tails one by one
-  neither  both of the last two (--arms picks among these; batched and serial by default)
+           same skill hold the same (--arms picks among these three; batched and serial by default)
   before   --baseline-src: a checkout of the commit before the serving engine (the one-request worker)
 Scenarios (all requests stream, greedy, client-side timing):
   hol         a 2-token request on tool-specs, idle, and arriving 1 s into another request's 200-token answer
@@ -115,9 +113,7 @@ async def texts(url: str, n: int) -> list[str]:
 
 def run(args) -> dict:
     arms = {"batched": (ROOT, {}), "serial": (ROOT, {"SKILLCACHE_MAX_RUNNING_SEQS": "1"}),
-            "unshared": (ROOT, {"SKILLCACHE_SHARED_KV_READS": "false"}),
-            "tails-apart": (ROOT, {"SKILLCACHE_BATCH_TAILS": "false"}),
-            "neither": (ROOT, {"SKILLCACHE_SHARED_KV_READS": "false", "SKILLCACHE_BATCH_TAILS": "false"})}
+            "unshared": (ROOT, {"SKILLCACHE_SHARED_KV_READS": "false"})}
     arms = {k: arms[k] for k in args.arms}
     if args.baseline_src:  # its own converted-model cache: an older loader names (and prunes) conversions otherwise
         arms["before"] = (Path(args.baseline_src), {"SKILLCACHE_MODEL_CACHE": str(Path(args.baseline_src) / ".models")})
@@ -191,8 +187,7 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=["hol", "throughput", "agree"],
                     choices=["hol", "throughput", "agree"])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--arms", nargs="+", choices=["batched", "serial", "unshared", "tails-apart", "neither"],
-                    default=["batched", "serial"])
+    ap.add_argument("--arms", nargs="+", choices=["batched", "serial", "unshared"], default=["batched", "serial"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--png")
