@@ -162,9 +162,12 @@ def plot(results: dict, path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, res in results["arms"].items():
-        rows = res.get("throughput") or []
-        if rows:
-            a.plot([r["streams"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=name)
+        by_n: dict[int, list[float]] = {}
+        for r in res.get("throughput") or []:  # rounds of the same stream count: their mean
+            by_n.setdefault(r["streams"], []).append(r["tokens_per_s"])
+        if by_n:
+            ns = sorted(by_n)
+            a.plot(ns, [statistics.mean(by_n[n]) for n in ns], marker="o", label=name)
     a.set(xscale="log", xlabel="concurrent 48-token streams", ylabel="completion tokens / s", title="Throughput")
     a.set_xticks([r for r in (1, 2, 4, 8, 16)], labels=["1", "2", "4", "8", "16"])
     a.legend()

@@ -33,6 +33,8 @@ ENGINE_BUSY = Counter("skillcache_engine_busy_seconds_total", "Engine busy time 
 BACKGROUND_SHARE = Gauge("skillcache_engine_background_share", "Share of the engine's busy time given to background "
                          "work over the last ~10 s")
 KV_BYTES = Gauge("skillcache_engine_kv_bytes", "K/V held by the decode batch")
+SHARED_ROWS = Gauge("skillcache_engine_shared_kv_rows", "Decode batch rows reading some of their K/V chunks from "
+                    "another row that holds the same (SKILLCACHE_SHARED_KV_READS)")
 
 # store
 STORE_OPS = Histogram(

@@ -77,19 +77,23 @@ class BatchKV:
         """The capacity a row of n_tokens makes the batch allocate."""
         return -(-n_tokens // _ROUND) * _ROUND
 
-    def add(self, cache: DynamicCache, reserve_tokens: int) -> int:
-        """Copy a prefilled batch-1 cache into a new row with room for `reserve_tokens` in all; returns the row."""
+    def add(self, cache: DynamicCache, reserve_tokens: int, rows: int = 1) -> int:
+        """Copy a prefilled batch-1 cache into a new row with room for `reserve_tokens` in all; returns the row.
+        `rows`: how many rows the batch is about to hold (the engine's admitted sequences): buffers that grow get
+        slots for all of them at once, not one doubling per join."""
         layers = cache.layers
         n = layers[0].get_seq_length()
         need = self.padded(max(reserve_tokens, n + 1))
+        slots = 1 << (max(rows, self.n_rows + 1) - 1).bit_length()
         if not self.keys:  # first row: shapes, dtype and device from the sequence
             self.device = layers[0].keys.device
             with torch.inference_mode(False):
-                self.keys = [lay.keys.new_empty((1, lay.keys.shape[1], need, lay.keys.shape[3])) for lay in layers]
-                self.values = [lay.values.new_empty((1, lay.values.shape[1], need, lay.values.shape[3]))
+                self.keys = [lay.keys.new_empty((slots, lay.keys.shape[1], need, lay.keys.shape[3]))
+                             for lay in layers]
+                self.values = [lay.values.new_empty((slots, lay.values.shape[1], need, lay.values.shape[3]))
                                for lay in layers]
         elif self.n_rows == self.slots or need > self.capacity:
-            self._realloc(2 * self.slots if self.n_rows == self.slots else self.slots, max(self.capacity, need))
+            self._realloc(max(slots, self.slots), max(self.capacity, need))
         row = self.n_rows
         for lay, k, v in zip(layers, self.keys, self.values):
             k[row, :, :n] = lay.keys[0]

@@ -101,3 +101,16 @@ def test_batch_memory_grows_once_per_join_and_is_freed_when_idle():
     for row in (2, 1, 0):
         batch.leave(row)
     assert batch.n_rows == 0 and batch.size_bytes == 0
+
+
+def test_a_batch_told_how_many_rows_are_coming_grows_once_for_all():
+    """Eight requests admitted together: the first join allocates eight slots, and no later join reallocates."""
+    rt = tiny_runtime("llama")
+    batch = DecodeBatch(rt)
+    buffers = set()
+    for i in range(8):
+        c = new_cache(rt.model.config)
+        rt.forward(random_ids(12 + i, seed=i), 0, c)
+        batch.join(c, 40, rows=8)  # the engine counts the running rows and the admitted ones still coming
+        buffers.add(batch.kv.keys[0].data_ptr())
+    assert batch.kv.slots == 8 and len(buffers) == 1

@@ -277,6 +277,39 @@ async def test_requests_arriving_together_prefill_oldest_first(rt, monkeypatch):
     assert len(caches) >= 20 and len(runs) == 4, runs  # 5 chunks each, one request's chunks after another's
 
 
+async def test_requests_on_the_same_prefix_share_its_reads_and_get_their_solo_outputs(rt, monkeypatch):
+    """Three requests whose caches start with the same copied 300-token prefix (as composed requests on the same
+    skill do): the engine reports rows reading shared chunks, and each request streams what it streams alone."""
+    from service.kv.cache import append_kv
+    from service.runtime.engine import PrefillResult, run_steps
+
+    prefix = new_cache(rt.model.config)
+    rt.forward(random_ids(300, seed=9), 0, prefix)
+
+    def steps(tail):
+        cache = new_cache(rt.model.config)
+        append_kv(cache, [lay.keys for lay in prefix.layers], [lay.values for lay in prefix.layers])
+        logits = rt.forward(tail, 300, cache)
+        yield len(tail)
+        return PrefillResult(cache, logits, 300 + len(tail), 300, len(tail))
+
+    def alone(tail, p):
+        return list(generate(rt, run_steps(steps(tail)), p))
+
+    seen = []
+    monkeypatch.setattr(metrics.SHARED_ROWS, "set", seen.append)
+    cases = [(random_ids(n, seed=n), GenParams(max_tokens=m)) for n, m in [(4, 9), (11, 6), (7, 12)]]
+    solo = [alone(t, p) for t, p in cases]
+    eng = await _engine(rt, max_running=8)
+    try:
+        eng.submit(lambda c: time.sleep(0.3))  # the three arrive while the engine is busy: they join together
+        got = await asyncio.gather(*(_collect(eng.submit_sequence(steps(t), p, 300 + len(t))) for t, p in cases))
+    finally:
+        eng.stop()
+    assert got == solo
+    assert max(seen) == 2  # rows 1 and 2 read the prefix's first chunk from row 0
+
+
 def test_background_work_runs_lowest_priority_first():
     """Calibrations before refinements (by expected benefit), shadow checks last."""
     from service.runtime.serving.scheduler import Scheduler

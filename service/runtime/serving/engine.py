@@ -192,6 +192,7 @@ class ServingEngine:
         self.sched.account(t_live, bg_s)
         self.sched.gauges()
         metrics.KV_BYTES.set(self.kv_bytes())
+        metrics.SHARED_ROWS.set(self.batch.shared_rows if self.batch is not None else 0)
         if live_pending:
             metrics.STEP_TIME.observe(time.perf_counter() - t0)
             self._t_live = time.monotonic()
@@ -240,7 +241,9 @@ class ServingEngine:
                     w.job.cache = pre.cache
                 w.finish("cancelled")
                 return
-            w.row = self.batch.join(pre.cache, w.need_tokens)
+            coming = [x for x in self.sched.active if x.is_sequence]  # admitted, joining soon: room for them too
+            w.row = self.batch.join(pre.cache, max([w.need_tokens] + [x.need_tokens for x in coming]),
+                                    len(self.sched.running) + 1 + len(coming))
         except Exception as e:  # noqa: BLE001
             w.fail(e)
             return

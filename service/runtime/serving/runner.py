@@ -38,8 +38,9 @@ class DecodeBatch:
     def size_bytes(self) -> int:
         return self.kv.size_bytes
 
-    def join(self, cache: DynamicCache, reserve_tokens: int) -> int:
-        return self.kv.add(cache, reserve_tokens)
+    def join(self, cache: DynamicCache, reserve_tokens: int, rows: int = 1) -> int:
+        """A new row for the prefilled cache (rows: how many the batch is about to hold, BatchKV.add)."""
+        return self.kv.add(cache, reserve_tokens, rows)
 
     def leave(self, row: int, keep_cache: bool = False) -> DynamicCache | None:
         """Free a row (the last row moves into it); keep_cache: its K/V as a cache of its own first."""
@@ -58,6 +59,12 @@ class DecodeBatch:
                              cache=step_cache, use_cache=True, logits_to_keep=1)
         self.kv.advance()
         return out.logits[:, -1].float()  # [B, V]
+
+    @property
+    def shared_rows(self) -> int:
+        """Rows that read some chunk from another row (0 with sharing off)."""
+        sources = self.kv.sources() if self.share_chunks else None
+        return 0 if sources is None else int((sources != torch.arange(len(sources))[:, None]).any(1).sum())
 
     def _shared(self) -> attention.Shared | None:
         """Rows that hold the same chunks of K/V read them from one row (service/kv/batch.py); off: None."""
