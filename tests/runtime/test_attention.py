@@ -107,24 +107,29 @@ def test_only_float32_sdpa_models_on_the_cpu_use_it():
     assert not attention.usable(tiny_runtime("llama", dtype=torch.bfloat16).model)
 
 
+def _spying(real, record):
+    """An `extension` whose decode_attention calls record(args) first."""
+    def spying():
+        ext = real()
+
+        class Spied:
+            blocks_mm = ext.blocks_mm
+
+            @staticmethod
+            def decode_attention(*a):
+                record(a)
+                return ext.decode_attention(*a)
+        return Spied
+    return spying
+
+
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - EAGER))
 def test_the_decode_batch_runs_its_steps_on_it(family, monkeypatch):
     """Every sdpa family's decode step goes through the kernel, once per layer, and gives the step sdpa gives."""
     rt = tiny_runtime(family)
     calls = []
     real = attention.extension
-
-    def counting():
-        ext = real()
-
-        class Counted:
-            blocks_mm = ext.blocks_mm
-
-            @staticmethod
-            def decode_attention(*a):
-                calls.append(a[1].shape)
-                return ext.decode_attention(*a)
-        return Counted
+    counting = _spying(real, lambda a: calls.append(a[1].shape))
 
     assert rt.kernel_attention
     logits = {}
@@ -190,21 +195,8 @@ def test_decode_rows_on_the_same_prefix_read_it_once_and_get_the_same_logits(mon
     prefix = new_cache(rt.model.config)
     rt.forward(random_ids(300, seed=1), 0, prefix)
     seen = []
-    real = attention.extension
-
-    def recording():
-        ext = real()
-
-        class Recorded:
-            blocks_mm = ext.blocks_mm
-
-            @staticmethod
-            def decode_attention(*a):
-                seen.append(None if a[5] is None else a[5].tolist())
-                return ext.decode_attention(*a)
-        return Recorded
-
-    monkeypatch.setattr(attention, "extension", recording)
+    monkeypatch.setattr(attention, "extension",
+                        _spying(attention.extension, lambda a: seen.append(None if a[5] is None else a[5].tolist())))
     logits = {}
     for share in (True, False):
         batch = DecodeBatch(rt, share_chunks=share)
