@@ -42,7 +42,7 @@ class BatchKV:
         self.chunk_ids: list[list[int]] = []  # per live row: an id per whole chunk it held when it joined
         self.device: torch.device | None = None
         self._next_id = 0
-        self._sources: torch.Tensor | None = None  # sources(), until rows change
+        self._table: tuple[torch.Tensor | None, int] | None = None  # (sources(), shared_rows) until rows change
 
     @property
     def n_rows(self) -> int:
@@ -102,7 +102,7 @@ class BatchKV:
             v[row, :, n:].zero_()
         self.lengths.append(n)
         self.chunk_ids.append(self._chunk_ids(row, n // SHARE_CHUNK) if self.share_chunks else [])
-        self._sources = None
+        self._table = None
         return row
 
     def _chunk_ids(self, row: int, n_chunks: int) -> list[int]:
@@ -133,16 +133,23 @@ class BatchKV:
 
     def sources(self) -> torch.Tensor | None:
         """[B, C] int64: the row whose copy of chunk c row b's attention reads (the first row with that chunk's id;
-        a row past its own chunks reads itself); None when no chunk is shared."""
-        if self._sources is None:
+        a row past its own chunks reads itself); None when no chunk is shared. The same tensor until rows change."""
+        return self._sources_table()[0]
+
+    @property
+    def shared_rows(self) -> int:
+        """Rows that read some chunk from another row."""
+        return self._sources_table()[1]
+
+    def _sources_table(self) -> tuple[torch.Tensor | None, int]:
+        if self._table is None:
             first: dict[int, int] = {}
-            table = []
             width = max(map(len, self.chunk_ids), default=0)
-            for b, ids in enumerate(self.chunk_ids):
-                table.append([first.setdefault(cid, b) for cid in ids] + [b] * (width - len(ids)))
-            shared = any(src != b for b, srcs in enumerate(table) for src in srcs)
-            self._sources = torch.tensor(table, dtype=torch.int64) if shared and width else torch.empty(0)
-        return self._sources if self._sources.numel() else None
+            table = [[first.setdefault(cid, b) for cid in ids] + [b] * (width - len(ids))
+                     for b, ids in enumerate(self.chunk_ids)]
+            shared = sum(any(src != b for src in srcs) for b, srcs in enumerate(table))
+            self._table = (torch.tensor(table, dtype=torch.int64) if shared else None, shared)
+        return self._table
 
     def remove(self, row: int) -> None:
         """Drop a row; the last row moves into its place (the caller renumbers it)."""
@@ -156,7 +163,7 @@ class BatchKV:
             self.chunk_ids[row] = self.chunk_ids[last]
         self.lengths.pop()
         self.chunk_ids.pop()
-        self._sources = None
+        self._table = None
         if not self.lengths:  # idle: give the memory back
             self.keys, self.values = [], []
 

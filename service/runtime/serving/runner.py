@@ -27,8 +27,8 @@ class DecodeBatch:
         eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         self.additive_dtype = self.model.dtype if eager else None  # eager adds the mask; sdpa takes bool
         self.kernel_attention = rt.kernel_attention if kernel_attention is None else kernel_attention
-        self.share_chunks = share_chunks and self.kernel_attention  # only the kernel reads shared chunks
-        self.kv = BatchKV(share_chunks=self.share_chunks)
+        self.kv = BatchKV(share_chunks=share_chunks and self.kernel_attention)  # only the kernel reads them
+        self._shared_reads: attention.Shared | None = None  # for the sources table it was made from
 
     @property
     def n_rows(self) -> int:
@@ -63,13 +63,15 @@ class DecodeBatch:
     @property
     def shared_rows(self) -> int:
         """Rows that read some chunk from another row (0 with sharing off)."""
-        sources = self.kv.sources() if self.share_chunks else None
-        return 0 if sources is None else int((sources != torch.arange(len(sources))[:, None]).any(1).sum())
+        return self.kv.shared_rows
 
     def _shared(self) -> attention.Shared | None:
-        """Rows that hold the same chunks of K/V read them from one row (service/kv/batch.py); off: None."""
-        sources = self.kv.sources() if self.share_chunks else None
+        """Rows that hold the same chunks of K/V read them from one row (service/kv/batch.py); none shared: None.
+        Made again only when the table changes (a join or a leave, which are also what move the buffers)."""
+        sources = self.kv.sources()
         if sources is None:
             return None
-        storages = frozenset(t.untyped_storage().data_ptr() for t in (*self.kv.keys, *self.kv.values))
-        return attention.Shared(sources, SHARE_CHUNK, storages)
+        if self._shared_reads is None or self._shared_reads.sources is not sources:
+            storages = frozenset(t.untyped_storage().data_ptr() for t in (*self.kv.keys, *self.kv.values))
+            self._shared_reads = attention.Shared(sources, SHARE_CHUNK, storages)
+        return self._shared_reads
