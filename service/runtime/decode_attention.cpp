@@ -16,6 +16,9 @@
 // split into chunks of CHUNK, each an online-softmax partial (max, sum, P.V), merged in chunk order, so the work
 // spreads over the threads even for one row, and a row's result depends only on its own q, K, V and mask, not on
 // the other rows or how long they are (bitwise).
+//
+// Vector paths for AVX-512 (16 lanes, 32 registers) and AVX2 with FMA (8 lanes, 16 registers: the values' dimension
+// in passes so a pass's sums stay in registers); the portable code is not run by the service (native.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -25,7 +28,7 @@
 #include <limits>
 #include <optional>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -82,6 +85,69 @@ inline float exp_shift(float* s, int64_t n, float top) {
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the same steps on 8 lanes (16 vector registers)
+inline __m256i tail(int64_t n) {  // lanes i < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  const __m256 vp = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = tail(n - i);
+    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(vp, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
+  }
+}
+
+// e^x for x <= 0, Cephes' expf as above; 2^n built in the exponent bits (n >= -126 after the clamp: a normal float)
+inline __m256 exp_neg(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(NEG_INF), _CMP_NEQ_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), live);
+}
+
+inline float hsum(__m256 a) {  // lanes j + 4, then j + 2, j + 1
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+inline float max_of(const float* s, int64_t n) {
+  const __m256 none = _mm256_set1_ps(NEG_INF);
+  __m256 top = none;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = tail(n - i);
+    top = _mm256_max_ps(top, _mm256_blendv_ps(none, _mm256_maskload_ps(s + i, m), _mm256_castsi256_ps(m)));
+  }
+  const __m128 u = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  const __m128 v = _mm_max_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_max_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+// s[i] <- e^(s[i] - top) for i < n; returns their sum
+inline float exp_shift(float* s, int64_t n, float top) {
+  const __m256 vt = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = tail(n - i);
+    const __m256 e = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_maskload_ps(s + i, m), vt)), _mm256_castsi256_ps(m));
+    _mm256_maskstore_ps(s + i, m, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum(sum);
 }
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -214,6 +280,73 @@ void weighted(const Views& w, const float* v, const bool* mask, int64_t t0, int6
       for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + g * w.Dv + 16 * j, r[g][j]);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+alignas(32) const float ZEROS[MAX_D] = {};  // the keys past the last column of a block of four
+
+// Four dot products' 8-lane partial sums -> their four totals (each: lanes j + 1 pairwise, then j + 2, then j + 4)
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d per 128 bits
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+// s[g][i] = scale * q[g] . k[t0 + i] for i < n, four columns at a time (the last four padded with zero keys); GG:
+// the query heads, 0 = w.G at run time. A column's sum takes the same steps wherever it falls.
+template <int GG>
+void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t n, float (*s)[CHUNK]) {
+  constexpr int64_t GM = GG ? GG : MAX_G;
+  const int64_t G = GG ? GG : w.G;
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t live = std::min<int64_t>(4, n - i);
+    __m256 a[GM][4];
+    for (int64_t g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
+    const float* rows[4];
+    for (int c = 0; c < 4; ++c) rows[c] = c < live ? k + (t0 + i + c) * w.kt : ZEROS;
+    for (int64_t j = 0; j < w.Dk; j += 8) {
+      const __m256i m = tail(w.Dk - j);
+      __m256 kc[4];
+      for (int c = 0; c < 4; ++c) kc[c] = _mm256_maskload_ps(rows[c] + j, m);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 qg = _mm256_maskload_ps(q + g * w.Dk + j, m);
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm256_fmadd_ps(qg, kc[c], a[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(w.scale)));
+      for (int64_t c = 0; c < live; ++c) s[g][i + c] = r[c];
+    }
+  }
+}
+
+// acc[g] = sum over attended i of p[g][i] * v[t0 + i], in order; GG query heads x NJ 8-lane slices in registers,
+// the value dimension in passes of 8 * NJ (0, 0: any G and Dv, the sums in memory). Each sum takes the same steps
+// whatever the pass split.
+template <int GG, int NJ>
+void weighted(const Views& w, const float* v, const bool* mask, int64_t t0, int64_t n, float (*p)[CHUNK], float* acc) {
+  if constexpr (GG == 0 || NJ == 0) {
+    std::fill(acc, acc + w.G * w.Dv, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      if (mask && !mask[t0 + i]) continue;
+      for (int64_t g = 0; g < w.G; ++g) axpy(p[g][i], v + (t0 + i) * w.vt, acc + g * w.Dv, w.Dv);
+    }
+  } else {
+    for (int64_t d0 = 0; d0 < w.Dv; d0 += 8 * NJ) {
+      __m256 r[GG][NJ];
+      for (int g = 0; g < GG; ++g)
+        for (int j = 0; j < NJ; ++j) r[g][j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (mask && !mask[t0 + i]) continue;
+        const float* vt = v + (t0 + i) * w.vt + d0;
+        for (int j = 0; j < NJ; ++j) {
+          const __m256 x = _mm256_loadu_ps(vt + 8 * j);
+          for (int g = 0; g < GG; ++g) r[g][j] = _mm256_fmadd_ps(_mm256_set1_ps(p[g][i]), x, r[g][j]);
+        }
+      }
+      for (int g = 0; g < GG; ++g)
+        for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(acc + g * w.Dv + d0 + 8 * j, r[g][j]);
+    }
+  }
+}
 #else
 template <int GG>
 void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t n, float (*s)[CHUNK]) {
@@ -263,6 +396,22 @@ void partial(const Views& w, int64_t b, int64_t h, int64_t t0, int64_t t1, float
 
 using PartialFn = void (*)(const Views&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: query heads per key/value head 1..8, values in passes of 8 * NJ lanes with G * NJ <= 12 of the 16 vector
+// registers; anything else runs the general code
+template <int GG>
+constexpr PartialFn BY_NJ[4] = {partial<GG, 1>, partial<GG, 2>, partial<GG, 4>, partial<GG, 8>};
+constexpr const PartialFn* BY_G[9] = {nullptr, BY_NJ<1>, BY_NJ<2>, BY_NJ<3>, BY_NJ<4>,
+                                      BY_NJ<5>, BY_NJ<6>, BY_NJ<7>, BY_NJ<8>};
+
+PartialFn pick(int64_t G, int64_t Dv) {
+  if (G < 1 || G > 8 || Dv % 8) return partial<0, 0>;
+  int log_nj = 3;  // NJ = 8, 4, 2, 1
+  while (log_nj > 0 && (G << log_nj > 12 || (Dv / 8) % (1 << log_nj))) --log_nj;
+  return BY_G[G][log_nj];
+}
+#else
+
 // The instantiations: query heads per key head 1..8 with value heads of 16, 32, 64 or 128 held in registers (at most
 // 24 of the 32 vector registers); anything else runs the general code
 template <int NJ>
@@ -281,6 +430,7 @@ PartialFn pick(int64_t G, int64_t Dv) {
     default: return partial<0, 0>;
   }
 }
+#endif
 }  // namespace
 
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, const std::optional<at::Tensor>& mask_in,

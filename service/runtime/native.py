@@ -15,7 +15,10 @@ _ext = None
 
 
 def extension():
-    """The built module: blocks_mm(...), decode_attention(...). Raises if it cannot be built here."""
+    """The built module: blocks_mm(...), decode_attention(...). Raises if it cannot be built here, or if this CPU has
+    neither AVX-512 nor AVX2 with FMA: the kernels' portable code is slower than torch's own ops (on an AVX2 CPU,
+    built without its AVX2 path: a decode step 2.3x slower at one row, 2.9x at eight; docs/BENCHMARKS.md, "Kernels
+    by instruction set")."""
     global _ext
     if _ext is None:
         from torch.utils.cpp_extension import load
@@ -23,8 +26,12 @@ def extension():
         # -ffp-contract=off: packed_blocks' weights must decode to exactly the float32 values (no fused multiply-add
         # merging d * q + m); named for this CPU's instruction sets: torch caches builds by name, and a
         # -march=native build from another machine (a shared home) could hold instructions this one lacks
-        _ext = load(f"skillcache_native_{_cpu_tag()}", [str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+        ext = load(f"skillcache_native_{_cpu_tag()}", [str(s) for s in SOURCES],
+                   extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+        if ext.isa() == "portable":
+            raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA (the kernels' portable code is slower "
+                               "than torch's own ops)")
+        _ext = ext
     return _ext
 
 

@@ -11,13 +11,19 @@
 // float32's 4, and the weight is never written out. The output rows split across the calling thread's torch threads.
 // Every (row, output) sums in the same order whatever M is (32 lane sums over the blocks, then a fixed halving tree),
 // so a request's numbers do not depend on what else is in its batch.
+//
+// Three builds of the same sums, by what -march=native offers: AVX-512 (the rows' sums in 32 registers of 16 lanes);
+// AVX2 with FMA (16 registers of 8 lanes: up to 3 rows in registers, and a pass of more rows decodes the weight row
+// once into a buffer that stays in L1); and portable code, which states the order plainly but which the service
+// does not run (slower than torch's float32 matmul on an AVX2 CPU; service/runtime/native.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#if defined(__AVX512F__)
+#include <vector>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -73,6 +79,79 @@ inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict
     }
   }
   for (int r = 0; r < R; ++r) out[r] = halving_sum(a0[r], a1[r]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (16 vector registers of 8 lanes): a row's 32 lane sums take 4 registers, so at most 3 rows stay in registers
+// with the block's weights; a pass of more rows first decodes the weight row into a buffer (in L1) and runs over
+// it 3 rows at a time. The same sums in the same order as the AVX-512 and portable code.
+constexpr int REG_ROWS = 3;
+
+template <bool Q4>
+inline void decode_regs(const uint8_t* __restrict q, int64_t b, float d, float m, __m256 (&w)[4]) {
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  __m128i part[4];  // 8 levels each, in the low 8 bytes: values 0-7, 8-15, 16-23, 24-31
+  if constexpr (Q4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (G / 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    part[0] = lo, part[1] = _mm_srli_si128(lo, 8), part[2] = hi, part[3] = _mm_srli_si128(hi, 8);
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j])), vd), vm);
+  } else {
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * G;
+    for (int j = 0; j < 4; ++j) {
+      part[j] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j));
+      w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])), vd), vm);
+    }
+  }
+}
+
+// The 32 lanes' sums of one row (lanes 0-7, 8-15, 16-23, 24-31 in a[0..3]): lanes j + 16, then j + 8, + 4, + 2, + 1
+inline float halving_sum(const __m256 (&a)[4]) {
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+// R <= 3 rows on weights decoded in registers (w == nullptr) or read from the decoded weight row w [K]
+template <int R, bool Q4>
+inline void pass_regs(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
+                      const float* __restrict m, const float* __restrict w, float* __restrict out) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / G; ++b) {
+    __m256 wb[4];
+    if (w) {
+      for (int j = 0; j < 4; ++j) wb[j] = _mm256_loadu_ps(w + b * G + 8 * j);
+    } else {
+      decode_regs<Q4>(q, b, d[b], m[b], wb);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(wb[j], _mm256_loadu_ps(x + r * K + b * G + 8 * j), a[r][j]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = halving_sum(a[r]);
+}
+
+template <int R, bool Q4>
+inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
+                 const float* __restrict m, float* __restrict out) {
+  if constexpr (R <= REG_ROWS) {
+    pass_regs<R, Q4>(x, K, q, d, m, nullptr, out);
+  } else {
+    thread_local std::vector<float> row;  // the weight row, decoded once for every 3 rows of the pass
+    if (int64_t(row.size()) < K) row.resize(K);
+    float* w = row.data();
+    for (int64_t b = 0; b < K / G; ++b) {
+      __m256 wb[4];
+      decode_regs<Q4>(q, b, d[b], m[b], wb);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + b * G + 8 * j, wb[j]);
+    }
+    int r0 = 0;
+    for (; r0 + REG_ROWS <= R; r0 += REG_ROWS) pass_regs<REG_ROWS, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
+    if constexpr (R % REG_ROWS == 1) pass_regs<1, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
+    if constexpr (R % REG_ROWS == 2) pass_regs<2, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
+  }
 }
 #else
 // w = q * d + m for block b, rounded as float32 does it in two steps (built with -ffp-contract=off, so no fused

@@ -3,6 +3,7 @@ kernel for few rows that matches the float32 matmul at rounding level and does n
 float32 matmul for long inputs, and a model that decodes as before."""
 
 import copy
+import platform
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def test_a_row_does_not_depend_on_the_row_count():
     x = torch.randn(8, lin.in_features)
     with torch.inference_mode():
         whole = p(x)
-        for rows in (1, 2, 5):
+        for rows in range(1, 8):  # every pass shape (AVX2: up to 3 rows in registers, more on a decoded row)
             assert torch.equal(p(x[:rows].contiguous()), whole[:rows])
 
 
@@ -162,3 +163,31 @@ def test_no_compiler_leaves_the_model_on_float32(monkeypatch):
     x = torch.randn(2, fast.model.config.hidden_size)
     lin = fast.model.model.layers[0].mlp.up_proj
     assert torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+def test_a_cpu_without_avx2_or_avx512_keeps_torchs_ops(monkeypatch):
+    """The kernels' portable code is slower than torch's own ops: a build without a vector path is refused, and
+    packed decode (and the attention kernel) stay off."""
+    import torch.utils.cpp_extension as cpp
+
+    from service.runtime import native
+
+    class Portable:
+        def isa(self):
+            return "portable"
+
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(cpp, "load", lambda *a, **kw: Portable())
+    with pytest.raises(RuntimeError, match="neither AVX-512 nor AVX2"):
+        native.extension()
+    _, fast = _block_runtime()
+    assert pack_linears(fast.model) == {}
+    assert native._ext is None
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the vector paths are x86-64's")
+def test_this_build_has_a_vector_path():
+    """Where the suite runs (x86-64 with AVX2 or AVX-512) the kernels run their vector code, not the portable one."""
+    from service.runtime.native import extension
+
+    assert extension().isa() in ("avx2", "avx512")
