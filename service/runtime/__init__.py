@@ -29,7 +29,10 @@ def build_runtime(settings: Settings):
 
         counts = pack_linears(loaded.model)
         if counts:
-            log.info("packed decode: %s linears run decode steps on their blocks", counts)
+            from service.runtime.native import extension
+
+            log.info("packed decode: %s linears run decode steps on their blocks (kernels: %s)", counts,
+                     extension().isa())
     fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
                            quantization=settings.quantization)
     return ModelRuntime(loaded, fp, kernel_attention=settings.attention_kernel)
