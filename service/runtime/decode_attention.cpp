@@ -179,6 +179,25 @@ struct Views {
   float scale;
 };
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// dst[c] = scale * sums[c] for the c < live columns of a block of four
+inline void put4(__m128 sums, float scale, float* dst, int64_t live) {
+  alignas(16) float r[4];
+  _mm_store_ps(r, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+  for (int64_t c = 0; c < live; ++c) dst[c] = r[c];
+}
+#endif
+
+// acc[g] = sum over attended i of p[g][i] * v[t0 + i], any G and Dv, the sums in memory (each path's axpy)
+inline void weighted_any(const Views& w, const float* v, const bool* mask, int64_t t0, int64_t n,
+                         float (*p)[CHUNK], float* acc) {
+  std::fill(acc, acc + w.G * w.Dv, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask && !mask[t0 + i]) continue;
+    for (int64_t g = 0; g < w.G; ++g) axpy(p[g][i], v + (t0 + i) * w.vt, acc + g * w.Dv, w.Dv);
+  }
+}
+
 #if defined(__AVX512F__)
 alignas(64) const float ZEROS[MAX_D] = {};  // the keys past the last column of a block of four
 
@@ -214,11 +233,7 @@ void scores64(const Views& w, const float* q, const float* k, int64_t t0, int64_
       for (int g = 0; g < GG; ++g)
         for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(qr[g][j], kc[c], a[g][c]);
     }
-    for (int g = 0; g < GG; ++g) {
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(w.scale)));
-      for (int64_t c = 0; c < live; ++c) s[g][i + c] = r[c];
-    }
+    for (int g = 0; g < GG; ++g) put4(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), w.scale, s[g] + i, live);
   }
 }
 
@@ -245,40 +260,27 @@ void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t 
         for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(qg, kc[c], a[g][c]);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(w.scale)));
-      for (int64_t c = 0; c < live; ++c) s[g][i + c] = r[c];
-    }
+    for (int64_t g = 0; g < G; ++g) put4(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), w.scale, s[g] + i, live);
   }
 }
 
 // acc[g] = sum over attended i of p[g][i] * v[t0 + i], the values read in order (one pass, as the hardware
-// prefetcher likes it); GG query heads x NJ 16-lane slices of the values held in registers (0, 0: any G and Dv,
-// the sums in memory)
+// prefetcher likes it); GG query heads x NJ 16-lane slices of the values held in registers
 template <int GG, int NJ>
 void weighted(const Views& w, const float* v, const bool* mask, int64_t t0, int64_t n, float (*p)[CHUNK], float* acc) {
-  if constexpr (GG == 0 || NJ == 0) {
-    std::fill(acc, acc + w.G * w.Dv, 0.f);
-    for (int64_t i = 0; i < n; ++i) {
-      if (mask && !mask[t0 + i]) continue;
-      for (int64_t g = 0; g < w.G; ++g) axpy(p[g][i], v + (t0 + i) * w.vt, acc + g * w.Dv, w.Dv);
+  __m512 r[GG][NJ];
+  for (int g = 0; g < GG; ++g)
+    for (int j = 0; j < NJ; ++j) r[g][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask && !mask[t0 + i]) continue;
+    const float* vt = v + (t0 + i) * w.vt;
+    for (int j = 0; j < NJ; ++j) {
+      const __m512 x = _mm512_loadu_ps(vt + 16 * j);
+      for (int g = 0; g < GG; ++g) r[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][i]), x, r[g][j]);
     }
-  } else {
-    __m512 r[GG][NJ];
-    for (int g = 0; g < GG; ++g)
-      for (int j = 0; j < NJ; ++j) r[g][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      if (mask && !mask[t0 + i]) continue;
-      const float* vt = v + (t0 + i) * w.vt;
-      for (int j = 0; j < NJ; ++j) {
-        const __m512 x = _mm512_loadu_ps(vt + 16 * j);
-        for (int g = 0; g < GG; ++g) r[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][i]), x, r[g][j]);
-      }
-    }
-    for (int g = 0; g < GG; ++g)
-      for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + g * w.Dv + 16 * j, r[g][j]);
   }
+  for (int g = 0; g < GG; ++g)
+    for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + g * w.Dv + 16 * j, r[g][j]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 alignas(32) const float ZEROS[MAX_D] = {};  // the keys past the last column of a block of four
@@ -310,41 +312,28 @@ void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t 
         for (int c = 0; c < 4; ++c) a[g][c] = _mm256_fmadd_ps(qg, kc[c], a[g][c]);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(w.scale)));
-      for (int64_t c = 0; c < live; ++c) s[g][i + c] = r[c];
-    }
+    for (int64_t g = 0; g < G; ++g) put4(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), w.scale, s[g] + i, live);
   }
 }
 
 // acc[g] = sum over attended i of p[g][i] * v[t0 + i], in order; GG query heads x NJ 8-lane slices in registers,
-// the value dimension in passes of 8 * NJ (0, 0: any G and Dv, the sums in memory). Each sum takes the same steps
-// whatever the pass split.
+// the value dimension in passes of 8 * NJ. Each sum takes the same steps whatever the pass split.
 template <int GG, int NJ>
 void weighted(const Views& w, const float* v, const bool* mask, int64_t t0, int64_t n, float (*p)[CHUNK], float* acc) {
-  if constexpr (GG == 0 || NJ == 0) {
-    std::fill(acc, acc + w.G * w.Dv, 0.f);
+  for (int64_t d0 = 0; d0 < w.Dv; d0 += 8 * NJ) {
+    __m256 r[GG][NJ];
+    for (int g = 0; g < GG; ++g)
+      for (int j = 0; j < NJ; ++j) r[g][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       if (mask && !mask[t0 + i]) continue;
-      for (int64_t g = 0; g < w.G; ++g) axpy(p[g][i], v + (t0 + i) * w.vt, acc + g * w.Dv, w.Dv);
-    }
-  } else {
-    for (int64_t d0 = 0; d0 < w.Dv; d0 += 8 * NJ) {
-      __m256 r[GG][NJ];
-      for (int g = 0; g < GG; ++g)
-        for (int j = 0; j < NJ; ++j) r[g][j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        if (mask && !mask[t0 + i]) continue;
-        const float* vt = v + (t0 + i) * w.vt + d0;
-        for (int j = 0; j < NJ; ++j) {
-          const __m256 x = _mm256_loadu_ps(vt + 8 * j);
-          for (int g = 0; g < GG; ++g) r[g][j] = _mm256_fmadd_ps(_mm256_set1_ps(p[g][i]), x, r[g][j]);
-        }
+      const float* vt = v + (t0 + i) * w.vt + d0;
+      for (int j = 0; j < NJ; ++j) {
+        const __m256 x = _mm256_loadu_ps(vt + 8 * j);
+        for (int g = 0; g < GG; ++g) r[g][j] = _mm256_fmadd_ps(_mm256_set1_ps(p[g][i]), x, r[g][j]);
       }
-      for (int g = 0; g < GG; ++g)
-        for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(acc + g * w.Dv + d0 + 8 * j, r[g][j]);
     }
+    for (int g = 0; g < GG; ++g)
+      for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(acc + g * w.Dv + d0 + 8 * j, r[g][j]);
   }
 }
 #else
@@ -356,11 +345,7 @@ void scores(const Views& w, const float* q, const float* k, int64_t t0, int64_t 
 
 template <int GG, int NJ>
 void weighted(const Views& w, const float* v, const bool* mask, int64_t t0, int64_t n, float (*p)[CHUNK], float* acc) {
-  std::fill(acc, acc + w.G * w.Dv, 0.f);
-  for (int64_t i = 0; i < n; ++i) {
-    if (mask && !mask[t0 + i]) continue;
-    for (int64_t g = 0; g < w.G; ++g) axpy(p[g][i], v + (t0 + i) * w.vt, acc + g * w.Dv, w.Dv);
-  }
+  weighted_any(w, v, mask, t0, n, p, acc);
 }
 #endif
 
@@ -391,7 +376,11 @@ void partial(const Views& w, int64_t b, int64_t h, int64_t t0, int64_t t1, float
     }
     sum[g] = exp_shift(s[g], n, top[g]);
   }
-  weighted<GG, NJ>(w, w.v + src * w.vb + h * w.vh, mask, t0, n, s, acc);
+  if constexpr (GG == 0 || NJ == 0) {
+    weighted_any(w, w.v + src * w.vb + h * w.vh, mask, t0, n, s, acc);
+  } else {
+    weighted<GG, NJ>(w, w.v + src * w.vb + h * w.vh, mask, t0, n, s, acc);
+  }
 }
 
 using PartialFn = void (*)(const Views&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);

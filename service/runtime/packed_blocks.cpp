@@ -8,7 +8,8 @@
 //
 // A weight row is read once per pass of up to ROWS input rows: each block of 32 is decoded into registers and
 // multiplied into every row of the pass, so a step reads 0.75 (Q4_1) or 1.25 (Q8_0) bytes a weight instead of
-// float32's 4, and the weight is never written out. The output rows split across the calling thread's torch threads.
+// float32's 4, and the weight is never written out (but for AVX2's passes of more than 3 rows, below). The output
+// rows split across the calling thread's torch threads.
 // Every (row, output) sums in the same order whatever M is (32 lane sums over the blocks, then a fixed halving tree),
 // so a request's numbers do not depend on what else is in its batch.
 //
