@@ -17,6 +17,11 @@ def build_runtime(settings: Settings):
     from service.runtime.loader import load_model
     from service.runtime.templates import use_chat_template
 
+    if settings.quantization == "w8a8":  # before loading anything: the format cannot run at speed on some CPUs
+        from service.runtime.quantize import w8a8_unfit
+
+        if why := w8a8_unfit():
+            raise RuntimeError(why)
     digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
     loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
     loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it

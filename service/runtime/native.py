@@ -35,9 +35,13 @@ def extension():
     return _ext
 
 
-def _cpu_tag() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (elsewhere: platform.processor())."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+        return platform.processor()
+
+
+def _cpu_tag() -> str:
+    return hashlib.sha256(f"{platform.machine()} {cpu_flags()}".encode()).hexdigest()[:12]

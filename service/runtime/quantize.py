@@ -9,7 +9,9 @@
   rounding, so a composition matches its full recompute to bfloat16's level, not float32's. Close to
   bfloat16 in quality.
 - `w8a8` (`Int8Linear`): activations quantized too, one scale per token (row), then `torch._int_mm` (int8 x int8
-  -> exact int32; VNNI on x86) and a rescale. Faster for many rows, further from float32.
+  -> exact int32; VNNI on x86) and a rescale. Faster for many rows, further from float32. Only where the CPU has
+  VNNI (`w8a8_unfit`): without it torch's int8 matmul is a slow loop (an AMD EPYC Zen 3, AVX2 only: an
+  [800, 576] x [576, 1536] product 1.75 s against float32's 0.09 s), and the service refuses the format.
 Why per token and not torch's `quantize_dynamic`: that takes one activation scale over the whole input, so in a
 batched decode step a row's result would depend on what else is in the batch (its scale is the batch's largest
 value). Here each row's arithmetic is its own, and a request gets the same output alone or in any batch
@@ -19,10 +21,24 @@ float32 and speed: docs/BENCHMARKS.md ("CPU weight formats").
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 
+from service.runtime.native import cpu_flags
+
 _EPS = 1e-8
+VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # x86 flags of an int8 dot-product instruction
+
+
+def w8a8_unfit() -> str | None:
+    """Why `w8a8` must not run on this CPU (what to set instead), or None: an x86-64 CPU without VNNI."""
+    if platform.machine() not in ("x86_64", "AMD64") or any(f in cpu_flags().split() for f in VNNI):
+        return None
+    return ("SKILLCACHE_QUANTIZATION=w8a8 needs a CPU with VNNI (avx512_vnni, avx_vnni or amx_int8 among its flags): "
+            "without it torch's int8 matmul is ~20x slower than float32; use SKILLCACHE_QUANTIZATION=int8 (int8 "
+            "weights, bfloat16 products) or none")
 
 
 class Int8Linear(nn.Module):

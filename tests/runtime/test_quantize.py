@@ -80,3 +80,23 @@ def test_quantize_linears_replaces_every_linear():
     model = copy.deepcopy(tiny_runtime("llama").model)
     n = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert quantize_linears(model, "w8a8") == n and not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_w8a8_is_refused_on_an_x86_cpu_without_vnni(monkeypatch, tmp_path):
+    """torch's int8 x int8 matmul is a slow loop without VNNI (~20x float32 on an AVX2-only EPYC): the service
+    refuses the format there, before loading the model, and says what to set instead."""
+    from service.config import Settings
+    from service.runtime import build_runtime, quantize
+
+    monkeypatch.setattr(quantize.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(quantize, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    why = quantize.w8a8_unfit()
+    assert why and "VNNI" in why and "SKILLCACHE_QUANTIZATION=int8" in why
+    settings = Settings(model=str(tmp_path / "no-such-model"), quantization="w8a8", home=tmp_path)
+    with pytest.raises(RuntimeError, match="needs a CPU with VNNI"):  # not the missing model: nothing was loaded
+        build_runtime(settings)
+    for flag in quantize.VNNI:
+        monkeypatch.setattr(quantize, "cpu_flags", lambda flag=flag: f"flags\t\t: fpu avx2 {flag} fma")
+        assert quantize.w8a8_unfit() is None
+    monkeypatch.setattr(quantize.platform, "machine", lambda: "aarch64")  # not measured there: not refused
+    assert quantize.w8a8_unfit() is None
