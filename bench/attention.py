@@ -10,6 +10,8 @@ The embedded model with packed decode, on one thread that claims torch's threads
          row (the default) vs each its own; the logits of both arms are compared bitwise
   tail   a repeated order's tail: --tail tokens prefilled after a --prefix-token exact prefix copied into a fresh
          cache (a refined order's first token: copy + tail forward), sdpa's grouped-query path vs transformers'
+  before (with --before REV) a DecodeBatch step of B rows in --groups groups as in `shared`, this tree's kernel vs
+         commit REV's decode_attention.cpp built here; the logits of both arms are compared bitwise
 The arms alternate within each of --repeats rounds; reported: the median ms of each arm and sdpa / kernel.
 """
 
@@ -73,6 +75,37 @@ def _step_ms(rt, prefilled, kernel: bool, steps: int, share: bool = True) -> tup
     return statistics.median(times) * 1e3, logits
 
 
+def before_kernel(rev: str):
+    """decode_attention.cpp of commit `rev`, built here as a module of its own."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    src = subprocess.run(["git", "show", f"{rev}:service/runtime/decode_attention.cpp"], check=True,
+                         capture_output=True, text=True).stdout
+    src += ("\n#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {\n  mod.def(\"decode_attention\", "
+            "&decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());\n}\n")
+    path = Path(tempfile.mkdtemp()) / "before_attention.cpp"
+    path.write_text(src)
+    return load(f"skillcache_attention_before_{rev}", [str(path)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+
+
+def _with_kernel(ext, fn):
+    """fn() with the attention calling `ext`'s decode_attention (None: this tree's)."""
+    from service.runtime import attention
+
+    current = attention.extension
+    if ext is not None:
+        attention.extension = lambda: ext
+    try:
+        return fn()
+    finally:
+        attention.extension = current
+
+
 def _tail_ms(rt, block, tail: list[int], kernel: bool) -> float:
     from service.kv.cache import append_kv, new_cache
 
@@ -127,6 +160,26 @@ def run(args) -> dict:
                                       "own_ms": off, "x": off / on, "same_logits": same})
                 print(f"shared {ctx:5d} tokens x {rows} rows in {args.groups} groups: shared {on:6.1f} ms, own "
                       f"{off:6.1f} ms ({off / on:.2f}x), same logits (bitwise): {same}", flush=True)
+        if args.before and "before" in args.parts:
+            before = before_kernel(args.before)
+            out["before"] = []
+            for ctx in args.contexts:
+                ids = corpus_ids(rt, ctx)
+                for rows in args.rows:
+                    prefilled = _grouped(rt, ids, rows, args.groups)
+                    arms = {"this": [], "before": []}
+                    same = True
+                    for _ in range(args.repeats):
+                        got = {k: _with_kernel(before if k == "before" else None,
+                                               lambda: _step_ms(rt, prefilled, True, args.steps)) for k in arms}
+                        for k, (ms, _) in got.items():
+                            arms[k].append(ms)
+                        same &= all(torch.equal(a, b) for a, b in zip(got["this"][1], got["before"][1]))
+                    this, old = statistics.median(arms["this"]), statistics.median(arms["before"])
+                    out["before"].append({"context": ctx, "rows": rows, "groups": args.groups, "this_ms": this,
+                                          "before_ms": old, "x": old / this, "same_logits": same})
+                    print(f"before {ctx:5d} tokens x {rows} rows in {args.groups} groups: this tree {this:6.1f} ms, "
+                          f"{args.before} {old:6.1f} ms ({old / this:.2f}x), same logits (bitwise): {same}", flush=True)
         if "tail" not in args.parts:
             return out
         ids = corpus_ids(rt, args.prefix + args.tail)
@@ -148,12 +201,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2560])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--parts", nargs="+", choices=["step", "shared", "tail"], default=["step", "shared", "tail"])
+    ap.add_argument("--parts", nargs="+", choices=["step", "shared", "tail", "before"],
+                    default=["step", "shared", "tail"])
     ap.add_argument("--groups", type=int, default=3, help="shared: prefixes the rows are spread over")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=2391)
     ap.add_argument("--tail", type=int, default=30)
+    ap.add_argument("--before", help="part `before`: the decode_attention.cpp of this commit (git rev), built here")
     ap.add_argument("--json")
     args = ap.parse_args()
     box = {}

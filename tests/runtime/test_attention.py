@@ -32,6 +32,7 @@ def _sdpa(q, k, v, mask, scale):
     (1, 3, 3, 2560, 64, 64),  # the embedded model's heads
     (4, 2, 4, 300, 16, 16), (3, 1, 7, 513, 128, 128), (2, 4, 1, 17, 32, 32),
     (2, 2, 2, 257, 24, 16),  # MLA: keys and values of different sizes, a head size no multiple of 16
+    (2, 2, 5, 130, 20, 20),  # keys no multiple of 8: the general score code (AVX2 masked loads), heads 3 + 2 a key
     (2, 1, 12, 90, 64, 64),  # more than 8 query heads a key head: the general code
 ])
 def test_it_gives_sdpas_attention(b, hkv, g, t, dk, dv):
