@@ -219,8 +219,11 @@ class ComposePipeline:
                 coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
                 loop.call_soon_threadsafe(self.guard.spawn, coro)
 
+        # the text tail is left to the engine (run together with other requests' tails), unless a tool opening
+        # continues the prefill after it
         steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
-                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens)
+                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens,
+                                      defer_tail=prep.tools is None)
         n_prompt = prep.plan.n_tokens
         if prep.tools is not None:
             steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()

@@ -21,18 +21,27 @@ from service.runtime.prompt import PromptBuilder, PromptPlan, Segment
 
 Mode = Literal["compose", "full"]
 BACKGROUND_CHUNK_TOKENS = 128  # tokens per background prefill step: Settings.background_chunk_tokens's default
+DEFERRED_TAIL_TOKENS = 64  # prefill_steps(defer_tail=True) leaves a text tail of at most this many to the caller
 
 
 @dataclass
 class PrefillResult:
     cache: DynamicCache  # holds every prompt token; owned by this request only
-    logits: torch.Tensor  # [V] float32, the next-token logits after the prompt
+    logits: torch.Tensor | None  # [V] float32, the next-token logits after the prompt (None: `tail` still to run)
     n_prompt: int
     n_reused: int  # block tokens copied (re-rotated) instead of recomputed
     n_recomputed: int  # tokens run through the model
     timings_ms: dict[str, float] = field(default_factory=dict)
     n_prefix: int = 0  # tokens copied from an exact prefix (a refined skill sequence), not composed
     seams: dict[int, int] = field(default_factory=dict)  # skill index -> seam tokens recomputed (composed skills)
+    tail: list[int] | None = None  # defer_tail: the prompt's last text, not yet in `cache`; it starts at tail_start
+    tail_start: int = 0
+
+    def tail_done(self, logits: torch.Tensor, ms: float) -> None:
+        """The deferred tail ran (its K/V went wherever the caller keeps the cache now): the prompt's logits."""
+        self.logits, self.tail = logits, None
+        self.timings_ms["tail_ms"] = ms
+        self.timings_ms["prefill_ms"] = self.timings_ms.get("prefill_ms", 0.0) + ms
 
 
 Steps = Generator[int, None, Any]  # work in steps: yields the tokens each step ran through the model
@@ -241,7 +250,7 @@ class ModelRuntime:
     @torch.inference_mode()
     def prefill_steps(
         self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
-        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0,
+        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0, defer_tail: bool = False,
     ) -> Steps:
         """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
         forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
@@ -253,7 +262,9 @@ class ModelRuntime:
         already exactly what a full prefill computes, and the anchor's own K/V is cached.
         `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
         copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
-        decode), so its buffers are allocated once.
+        decode), so its buffers are allocated once. `defer_tail` (compose): a last text run of at most
+        DEFERRED_TAIL_TOKENS is not run: the result's `tail` holds it and `logits` is None (the serving engine runs
+        the tails of requests that compose in the same step as one forward, service/kv/batch_tail.py).
         """
         t0 = time.perf_counter()
         cache = new_cache(self.model.config, reserve_tokens=max(reserve_tokens, plan.n_tokens))
@@ -308,11 +319,12 @@ class ModelRuntime:
                 pos, cursor = start + e, max(cursor, e)
         if not pending:
             raise InvalidRequest("internal: the prompt must end with text after the last skill")
+        deferred = defer_tail and len(pending) <= DEFERRED_TAIL_TOKENS
         t1 = time.perf_counter()
-        logits = yield from self.forward_steps(pending, pos - len(pending), cache, chunk)
+        logits = None if deferred else (yield from self.forward_steps(pending, pos - len(pending), cache, chunk))
         t_tail = time.perf_counter() - t1
         total_ms = (time.perf_counter() - t0) * 1e3
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
-                             n_prefix, seams_used)
+                             n_prefix, seams_used, pending if deferred else None, pos - len(pending))

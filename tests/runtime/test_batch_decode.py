@@ -65,6 +65,36 @@ def test_batched_rows_match_solo_decoding(family):
             assert int(logits[b].argmax()) == int(want.argmax())
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tails_prefilled_together_match_each_alone(family):
+    """Requests that finish composing in one engine step join with the K/V before their text tails, and the tails
+    run as one left-padded forward over their rows: each row's logits, and its next decode step, as alone."""
+    rt = tiny_runtime(family)
+    prompts = [random_ids(n, seed=400 + n) for n in (9, 3 * SLIDING_WINDOW + 2, 30)]
+    tails = [random_ids(n, seed=500 + n) for n in (6, 1, 13)]  # of different lengths: padding on the left
+    nxt = random_ids(len(prompts), seed=600)
+    solo = []
+    for p, t, x in zip(prompts, tails, nxt):
+        cache = new_cache(rt.model.config)
+        rt.forward(p, 0, cache)
+        solo.append((rt.forward(t, len(p), cache), rt.forward([x], len(p) + len(t), cache)))
+    batch = DecodeBatch(rt)
+    running = new_cache(rt.model.config)  # a row decoding already: the tails' rows are not the first
+    rt.forward(random_ids(20, seed=7), 0, running)
+    batch.join(running, 40)
+    for p, t in zip(prompts, tails):
+        cache = new_cache(rt.model.config)
+        rt.forward(p, 0, cache)
+        batch.join(cache, len(p) + len(t) + 4)
+    got = batch.prefill_tails(tails)  # [3, V]
+    after = batch.step([1] + nxt)  # every row, the running one too
+    for i, (want, want_next) in enumerate(solo):
+        torch.testing.assert_close(got[i], want.float(), atol=ATOL, rtol=1e-4, msg=f"{family}: tail {i}")
+        torch.testing.assert_close(after[i + 1], want_next.float(), atol=ATOL, rtol=1e-4, msg=f"{family}: step {i}")
+        assert int(got[i].argmax()) == int(want.argmax())
+    assert batch.kv.lengths[1:] == [len(p) + len(t) + 1 for p, t in zip(prompts, tails)]
+
+
 def test_a_row_extracted_continues_like_its_solo_cache():
     """keep_cache (sessions): a row taken out of the batch is the sequence's own cache, ready for its next turn."""
     rt = tiny_runtime("gemma3")

@@ -395,3 +395,45 @@ def test_token_stream_text_equals_a_full_decode_however_long(rt):
     text = "".join(deltas + [d.text for d in done if isinstance(d, Delta)])
     assert text == done[-1].text == rt.tokenizer.decode(ids, skip_special_tokens=True)
     assert stream._offset > 200  # it settled most of the reply
+
+
+async def test_tails_left_to_the_engine_run_together_and_each_request_gets_its_solo_output(rt, monkeypatch):
+    """Compositions that leave their text tails to the engine (prefill_steps' defer_tail) and finish composing in
+    the same step: their tails run as one forward over their batch rows, and each request streams what it streams
+    with its tail run on its own cache (greedy; one of them ends at its first token and leaves at once)."""
+    from service.kv.cache import append_kv
+    from service.runtime.engine import PrefillResult
+    from service.runtime.serving.runner import DecodeBatch
+
+    prefix = new_cache(rt.model.config)
+    rt.forward(random_ids(200, seed=21), 0, prefix)
+
+    def composed(tail):
+        cache = new_cache(rt.model.config)
+        append_kv(cache, [lay.keys for lay in prefix.layers], [lay.values for lay in prefix.layers])
+        return cache
+
+    def steps(tail):
+        yield 0
+        return PrefillResult(composed(tail), None, 200 + len(tail), 200, len(tail), tail=tail, tail_start=200)
+
+    def alone(tail, p):
+        cache = composed(tail)
+        pre = PrefillResult(cache, rt.forward(tail, 200, cache), 200 + len(tail), 200, len(tail))
+        return list(generate(rt, pre, p))
+
+    together = []
+    real = DecodeBatch.prefill_tails
+    monkeypatch.setattr(DecodeBatch, "prefill_tails", lambda self, tails: together.append(len(tails))
+                        or real(self, tails))
+    cases = [(random_ids(n, seed=30 + n), GenParams(max_tokens=m)) for n, m in [(5, 8), (17, 1), (9, 11), (2, 6)]]
+    solo = [alone(t, p) for t, p in cases]
+    eng = await _engine(rt, max_running=8)
+    try:
+        eng.submit(lambda c: time.sleep(0.3))  # they arrive while the engine is busy: they finish composing together
+        got = await asyncio.gather(*(_collect(eng.submit_sequence(steps(t), p, 200 + len(t))) for t, p in cases))
+        again = await _collect(eng.submit_sequence(steps(cases[0][0]), cases[0][1], 205))  # alone: its own cache
+    finally:
+        eng.stop()
+    assert together == [4]
+    assert got == solo and again == solo[0]

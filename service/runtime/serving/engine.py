@@ -21,6 +21,7 @@ from typing import Any
 from service import metrics
 from service.errors import LimitExceeded
 from service.runtime.serving.scheduler import Scheduler
+from service.runtime.serving.starts import SequenceStarts
 from service.runtime.serving.work import Call, Job, SequenceWork, StepsWork, Work
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class EngineConfig:
                    s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads)
 
 
-class ServingEngine:
+class ServingEngine(SequenceStarts):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.sched = Scheduler(config.max_running, config.step_token_budget, config.queue_size,
@@ -204,52 +205,6 @@ class ServingEngine:
         except Exception as e:  # noqa: BLE001 - routed to the request that asked for the work
             work.fail(e)
             return 0
-
-    def _prefill(self, budget: int) -> None:
-        """Live prefill within `budget` tokens, over admitted work in arrival order, each taking at most half the
-        budget per pass: the oldest request finishes first (its first token comes out as soon as its own prefill
-        ends, not when every request's has), while a short request (a composed prompt's few text tokens) still
-        finishes in this step behind a long prefill, which goes on in chunks."""
-        spent, share = 0, max(1, budget // 2)
-        while spent < budget and self.sched.active:
-            for w in list(self.sched.active):
-                took = 0
-                while not w.finished and not (w.is_sequence and w.prefill is not None):
-                    n = max(1, self._advance(w))  # every step counts: no pass of zero-token steps loops
-                    took, spent = took + n, spent + n
-                    if isinstance(w, Call):
-                        spent = budget  # a closure runs alone: it may take any time
-                    if took >= share or spent >= budget:
-                        break
-                if w.finished:
-                    self.sched.active.remove(w)
-                elif w.is_sequence and w.prefill is not None:
-                    self.sched.active.remove(w)
-                    self._start_decoding(w)
-                if spent >= budget:
-                    return
-
-    def _start_decoding(self, w: SequenceWork) -> None:
-        """Sample the first token from the prefill logits; unless that ends the request, join the batch."""
-        pre = w.prefill
-        try:
-            w.out = self._stream_cls(self.rt.tokenizer, self.rt.eos_ids, w.params, pre.logits)
-            tok = w.out.sample(pre.logits.cpu())
-            w.emit_all(w.out.push(tok))
-            if w.out.reason is not None or w.job.cancelled():
-                if w.keep_cache:
-                    w.job.cache = pre.cache
-                w.finish("cancelled")
-                return
-            coming = [x for x in self.sched.active if x.is_sequence]  # admitted, joining soon: room for them too
-            w.row = self.batch.join(pre.cache, max([w.need_tokens] + [x.need_tokens for x in coming]),
-                                    len(self.sched.running) + 1 + len(coming))
-        except Exception as e:  # noqa: BLE001
-            w.fail(e)
-            return
-        w.next_token = tok
-        pre.cache = None  # the batch holds its K/V now
-        self.sched.running.append(w)
 
     def _decode(self) -> None:
         rows = self.sched.running

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from service.kv.batch import SHARE_CHUNK, BatchKV
+from service.kv.batch_tail import TailCache
 from service.runtime import attention
 
 
@@ -59,6 +60,19 @@ class DecodeBatch:
                              cache=step_cache, use_cache=True, logits_to_keep=1)
         self.kv.advance()
         return out.logits[:, -1].float()  # [B, V]
+
+    @torch.inference_mode()
+    def prefill_tails(self, tails: list[list[int]]) -> torch.Tensor:
+        """Run tails[i] after the K/V of row n_rows - len(tails) + i (the rows that just joined), as one forward
+        (service/kv/batch_tail.py) -> each row's next-token logits [B', V] float32; each row holds its tail."""
+        cache = TailCache(self.kv, self.kv.n_rows - len(tails), [len(t) for t in tails])
+        masks = cache.masks(self.layer_types, self.sliding_window, self.additive_dtype)
+        ids = torch.tensor([[t[0]] * (cache.q - len(t)) + t for t in tails], device=self.kv.device)  # [B', Q]
+        with attention.kernel_attention(self.rt.config, self.kernel_attention):
+            out = self.model(input_ids=ids, position_ids=cache.positions, attention_mask=masks, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+        cache.advance()
+        return out.logits[:, -1].float()  # [B', V]
 
     @property
     def shared_rows(self) -> int:

@@ -150,9 +150,14 @@ class SequenceWork(StepsWork):
             return next(self.steps)
         except StopIteration as done:
             self.prefill = done.value
-            if self.on_prefilled is not None:
-                self.on_prefilled(self.prefill)
+            if self.prefill.tail is None:  # a deferred tail: once the engine has run it
+                self.prefilled()
             return 0
+
+    def prefilled(self) -> None:
+        """The prefill is complete (its logits exist): tell the request, before its first token is sampled."""
+        if self.on_prefilled is not None:
+            self.on_prefilled(self.prefill)
 
     def emit_all(self, events: list) -> None:
         for ev in events:
