@@ -30,16 +30,20 @@ class SequenceStarts:
         self._prefill_pass(budget, tails)
         if len(tails) > 1:
             self._tails_together(tails)
-        for w in tails if len(tails) == 1 else []:  # alone: on its own cache, as without deferral
-            t0 = time.perf_counter()
-            try:
-                w.prefill.tail_done(self.rt.forward(w.prefill.tail, w.prefill.tail_start, w.prefill.cache),
-                                    (time.perf_counter() - t0) * 1e3)
-            except Exception as e:  # noqa: BLE001
-                w.fail(e)
-                continue
-            w.prefilled()
-            self._start_decoding(w)
+        elif tails:
+            self._tail_alone(tails[0])
+
+    def _tail_alone(self, w: SequenceWork) -> None:
+        """A deferred tail with no other to run with: on its own cache, as without deferral."""
+        t0 = time.perf_counter()
+        try:
+            logits = self.rt.forward(w.prefill.tail, w.prefill.tail_start, w.prefill.cache)
+        except Exception as e:  # noqa: BLE001 - routed to its request
+            w.fail(e)
+            return
+        w.prefill.tail_done(logits, (time.perf_counter() - t0) * 1e3)
+        w.prefilled()
+        self._start_decoding(w)
 
     def _prefill_pass(self, budget: int, tails: list[SequenceWork]) -> None:
         spent, share = 0, max(1, budget // 2)
