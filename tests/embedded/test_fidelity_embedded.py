@@ -3,8 +3,9 @@
 Asserted: first-token logit cosine >= 0.99 in every case; a skill alone is exact (it sits right
 after the template opening it was compiled after: KL ~0, identical greedy continuation); and the
 same top-1 token wherever the full recompute's top-1 is decisive (probability margin >= 0.05 over
-the runner-up). Not asserted, but printed (pytest -s) and recorded in docs/BENCHMARKS.md: top-1
-agreement over all cases and greedy 32-token match. With two or three skills the later ones never
+the runner-up). Not asserted, but printed (pytest -s): top-1 agreement over all cases. The greedy 32-token
+match over all cases is bench/fidelity.py's (recorded in docs/BENCHMARKS.md); here only the single skills
+decode, where it is asserted. With two or three skills the later ones never
 saw the earlier ones (KL ~0.01-0.04), and SmolLM2-135M sits near ties often enough that greedy
 continuations part within 32 tokens in about half of those cases: the target "greedy-32 identical in
 >= 90% of cases" is not met on this model (measured 7/14).
@@ -42,14 +43,13 @@ def test_compose_matches_full_recompute_on_shipped_skills(embedded_runtime, ship
         names = [shipped_skills[i][0] for i in combo]
         msgs = [{"role": "system", "content": SYSTEMS[k % 2]}, {"role": "user", "content": USERS[k % 2]}]
         plan = rt.prompts.build(msgs, [blocks[n].token_ids for n in names])
-        fid = compare(rt, plan, [blocks[n] for n in names], seam_tokens=seam, n_greedy=32)
+        fid = compare(rt, plan, [blocks[n] for n in names], seam_tokens=seam, n_greedy=32 if len(combo) == 1 else 0)
         results.append((names, plan.skill_offsets(), fid))
         print(f"{'+'.join(names):60s} offsets={plan.skill_offsets()} cos={fid.cosine:.5f} "
               f"top1={fid.top1_agree} greedy32={fid.greedy_match} prefix={fid.greedy_prefix}")
     cosines = [f.cosine for _, _, f in results]
-    greedy = sum(f.greedy_match for _, _, f in results) / len(results)
     print(f"cases={len(results)} cos min={min(cosines):.5f} median={statistics.median(cosines):.5f} "
-          f"top1={sum(f.top1_agree for *_, f in results)}/{len(results)} greedy32={greedy:.3f}")
+          f"top1={sum(f.top1_agree for *_, f in results)}/{len(results)}")
     assert all(c >= 0.99 for c in cosines), cosines
     singles = [f for names, _, f in results if len(names) == 1]
     # one skill: it sits right after the template opening it was compiled after, so it is exact
