@@ -233,14 +233,21 @@ class BatchCache(Cache):
         pos = self.positions[:, None]  # [B, 1]
         full = cols <= pos  # [B, T]
         sliding = full & (cols > pos - sliding_window) if sliding_window else full  # as masking_utils' overlay
+        return model_masks(full[:, None, None, :], sliding[:, None, None, :], layer_types, additive_dtype)
 
-        def shape(m: torch.Tensor) -> torch.Tensor:
-            m = m[:, None, None, :]  # [B, 1, 1, T]
-            if additive_dtype is None:
-                return m
-            return torch.zeros(m.shape, dtype=additive_dtype, device=m.device).masked_fill(
-                ~m, torch.finfo(additive_dtype).min)
 
-        if layer_types is not None:
-            return {"full_attention": shape(full), "sliding_attention": shape(sliding)}
-        return shape(sliding)
+def model_masks(full: torch.Tensor, sliding: torch.Tensor, layer_types: list[str] | None,
+                additive_dtype: torch.dtype | None):
+    """Bool masks [B, 1, Q, T] (True = attend) as the model takes them: a dict by layer type for models whose config
+    lists `layer_types`, else the sliding one (`full` where there is no window); additive float (0 / dtype min) for
+    eager attention."""
+
+    def shape(m: torch.Tensor) -> torch.Tensor:
+        if additive_dtype is None:
+            return m
+        return torch.zeros(m.shape, dtype=additive_dtype, device=m.device).masked_fill(
+            ~m, torch.finfo(additive_dtype).min)
+
+    if layer_types is not None:
+        return {"full_attention": shape(full), "sliding_attention": shape(sliding)}
+    return shape(sliding)

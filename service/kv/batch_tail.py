@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from service.kv.batch import model_masks
+
 
 class _TailLayer(CacheLayerMixin):
     """One layer of a tail forward: writes each row's real tail K/V at its columns, returns the rows' views."""
@@ -79,17 +81,7 @@ class TailCache(Cache):
         full = (cols <= pos) & self.real[:, :, None] | first_col  # [B', Q, T]
         sliding = ((cols <= pos) & (cols > pos - sliding_window) & self.real[:, :, None] | first_col
                    if sliding_window else full)
-
-        def shape(m: torch.Tensor) -> torch.Tensor:
-            m = m[:, None]  # [B', 1, Q, T]
-            if additive_dtype is None:
-                return m
-            return torch.zeros(m.shape, dtype=additive_dtype, device=m.device).masked_fill(
-                ~m, torch.finfo(additive_dtype).min)
-
-        if layer_types is not None:
-            return {"full_attention": shape(full), "sliding_attention": shape(sliding)}
-        return shape(sliding)
+        return model_masks(full[:, None], sliding[:, None], layer_types, additive_dtype)  # [B', 1, Q, T]
 
     def advance(self) -> None:
         """After the forward: each row holds its tail."""
