@@ -437,3 +437,43 @@ async def test_tails_left_to_the_engine_run_together_and_each_request_gets_its_s
         eng.stop()
     assert together == [4]
     assert got == solo and again == solo[0]
+
+
+async def test_a_ready_tail_does_not_wait_for_another_requests_prefill(rt, monkeypatch):
+    """A composition whose tail is ready waits for at most one forward of the next request's prefill (seams, text),
+    not for the whole pass: compositions that run forwards keep their first tokens in arrival order."""
+    from service.runtime.engine import PrefillResult
+    from service.runtime.serving.runner import DecodeBatch
+
+    order = []
+    real_forward = rt.forward
+
+    def forward(ids, start, cache):
+        if start == 30 and len(ids) == 5:
+            order.append("tail")
+        return real_forward(ids, start, cache)
+
+    monkeypatch.setattr(rt, "forward", forward)
+
+    def steps(n_text):
+        cache = new_cache(rt.model.config)
+        real_forward(random_ids(30, seed=n_text), 0, cache)
+        for _ in range(n_text):  # text or seams run before the tail: forwards of their own
+            order.append("forward")
+            yield 8
+        return PrefillResult(cache, None, 35, 0, 35, tail=random_ids(5, seed=3), tail_start=30)
+
+    together = []
+    real_together = DecodeBatch.prefill_tails
+    monkeypatch.setattr(DecodeBatch, "prefill_tails", lambda self, tails: together.append(len(tails))
+                        or real_together(self, tails))
+    eng = await _engine(rt, max_running=8)
+    try:
+        eng.submit(lambda c: time.sleep(0.3))  # both arrive while the engine is busy: one pass composes both
+        jobs = [eng.submit_sequence(steps(0), GenParams(max_tokens=2), 35),
+                eng.submit_sequence(steps(3), GenParams(max_tokens=2), 35)]
+        await asyncio.gather(*(_collect(j) for j in jobs))
+    finally:
+        eng.stop()
+    assert together == []
+    assert order == ["forward", "tail", "forward", "forward", "tail"], order  # the first tail after one forward
