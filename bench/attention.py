@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 
-from common import corpus_ids, load_runtime, write_json
+from common import corpus_ids, kernel_of, load_runtime, write_json
 
 
 def _prefilled(rt, ids, rows: int) -> list:
@@ -73,24 +73,6 @@ def _step_ms(rt, prefilled, kernel: bool, steps: int, share: bool = True) -> tup
             times.append(time.perf_counter() - t0)
         logits.append(step)
     return statistics.median(times) * 1e3, logits
-
-
-def before_kernel(rev: str):
-    """decode_attention.cpp of commit `rev`, built here as a module of its own."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    src = subprocess.run(["git", "show", f"{rev}:service/runtime/decode_attention.cpp"], check=True,
-                         capture_output=True, text=True).stdout
-    src += ("\n#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {\n  mod.def(\"decode_attention\", "
-            "&decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());\n}\n")
-    path = Path(tempfile.mkdtemp()) / "before_attention.cpp"
-    path.write_text(src)
-    return load(f"skillcache_attention_before_{rev}", [str(path)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
 
 
 def _with_kernel(ext, fn):
@@ -161,7 +143,7 @@ def run(args) -> dict:
                 print(f"shared {ctx:5d} tokens x {rows} rows in {args.groups} groups: shared {on:6.1f} ms, own "
                       f"{off:6.1f} ms ({off / on:.2f}x), same logits (bitwise): {same}", flush=True)
         if args.before and "before" in args.parts:
-            before = before_kernel(args.before)
+            before = kernel_of(args.before, "decode_attention.cpp", "decode_attention")
             out["before"] = []
             for ctx in args.contexts:
                 ids = corpus_ids(rt, ctx)

@@ -119,3 +119,22 @@ async def stream_compose(client, body: dict) -> dict:
             elif ev["type"] == "error":
                 raise RuntimeError(ev)
     return {"ttft_s": ttft, "text": "".join(parts), "done": done, "t_end": time.perf_counter()}
+
+
+def kernel_of(rev: str, source: str, fn: str):
+    """The C++ function `fn` of service/runtime/`source` as it was at commit `rev`, built here as a module of its own
+    (bench/kernels.py and bench/attention.py --before: an earlier kernel beside this tree's, arms alternating)."""
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    src = subprocess.run(["git", "show", f"{rev}:service/runtime/{source}"], check=True, capture_output=True,
+                         text=True).stdout
+    src += (f"\n#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {{\n  mod.def(\"{fn}\", "
+            f"&{fn}, pybind11::call_guard<pybind11::gil_scoped_release>());\n}}\n")
+    path = Path(tempfile.mkdtemp()) / source
+    path.write_text(src)
+    return load(f"skillcache_{fn}_before_{rev}", [str(path)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+

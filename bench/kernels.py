@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from common import write_json
+from common import kernel_of, write_json
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -52,20 +52,7 @@ def weights(seed: int = 0):
 
 def before_kernel(rev: str):
     """The packed kernel of commit `rev`, built here; it must take this tree's block layout (PackedLinear's buffers)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    src = subprocess.run(["git", "show", f"{rev}:service/runtime/packed_blocks.cpp"], check=True, capture_output=True,
-                         text=True).stdout
-    src += ("\n#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {\n  mod.def(\"blocks_mm\", "
-            "&blocks_mm, pybind11::call_guard<pybind11::gil_scoped_release>());\n}\n")
-    path = Path(tempfile.mkdtemp()) / "before.cpp"
-    path.write_text(src)
-    return load(f"skillcache_before_{rev}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                        "-ffp-contract=off"])
+    return kernel_of(rev, "packed_blocks.cpp", "blocks_mm")
 
 
 def through(ext, fn):

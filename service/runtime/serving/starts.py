@@ -101,11 +101,11 @@ class SequenceStarts:
         w.emit_all(w.out.push(tok))
         return tok
 
-    def _join(self, w: SequenceWork, joining: int = 1) -> None:
-        """w's prefill cache becomes the batch's last row (joining: rows joining now, w included)."""
-        coming = [x for x in self.sched.active if x.is_sequence]  # admitted, joining soon: room for them too
+    def _join(self, w: SequenceWork, joining: tuple[SequenceWork, ...] = ()) -> None:
+        """w's prefill cache becomes the batch's last row (joining: the others joining right after it)."""
+        coming = [x for x in self.sched.active if x.is_sequence] + list(joining)  # room for them too
         w.row = self.batch.join(w.prefill.cache, max([w.need_tokens] + [x.need_tokens for x in coming]),
-                                len(self.sched.running) + joining + len(coming))
+                                len(self.sched.running) + 1 + len(coming))
         w.prefill.cache = None  # the batch holds its K/V now
         self.sched.running.append(w)
 
@@ -116,7 +116,7 @@ class SequenceStarts:
         joined: list[SequenceWork] = []
         try:
             for i, w in enumerate(ws):
-                self._join(w, len(ws) - i)
+                self._join(w, tuple(ws[i + 1:]))
                 joined.append(w)
             logits = self.batch.prefill_tails([w.prefill.tail for w in ws])  # [B', V]
         except Exception as e:  # noqa: BLE001 - fails these requests, not the engine
