@@ -6,7 +6,9 @@ step (what DynamicCache's torch.cat already costs for one row, engine.md section
 batching cannot start a request from spliced K/V (engine.md section 1). So the rows live here, right-padded:
 row b holds its sequence at columns 0..len_b-1, column == position (a composed cache is positional), and the
 step's new token goes to column len_b. A sequence's K/V is copied in once when it joins (after its prefill) and a
-row is moved once when another leaves (the last row fills the hole), never per step. A live row's columns past its
+row is moved once when another leaves (the last row fills the hole), never per step. The buffers grow (to a power-of-two
+number of rows, a multiple of 256 columns) and are kept when the batch empties, until `release()`: the next burst
+of requests writes into memory already mapped. A live row's columns past its
 length hold zeros (or the finite numbers of a row that left), never attended (the mask), so no NaN from
 uninitialised memory can reach P.V (sdpa multiplies a masked column's value by 0). Buffers are allocated empty and
 only live rows are written, so growing the batch does not zero-fill (and fault in) the slots no row uses yet.
@@ -164,8 +166,13 @@ class BatchKV:
         self.lengths.pop()
         self.chunk_ids.pop()
         self._table = None
-        if not self.lengths:  # idle: give the memory back
-            self.keys, self.values = [], []
+
+    def release(self) -> None:
+        """Give the buffers back (no live rows). Until then they stay allocated when the last row leaves, so the next
+        rows are written to pages already mapped: fresh buffers for eight rows of ~1k tokens take ~80k page faults
+        on first write, ~300 ms of a burst's joins on a 2-core CPU (docs/BENCHMARKS.md, "Serving engine")."""
+        assert not self.lengths, "release() with live rows"
+        self.keys, self.values = [], []
 
     def extract(self, row: int, config) -> DynamicCache:
         """The row as a batch-1 cache of its own (a session keeps its K/V between turns)."""

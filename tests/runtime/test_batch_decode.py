@@ -114,7 +114,7 @@ def test_a_row_extracted_continues_like_its_solo_cache():
     torch.testing.assert_close(rt.forward([5], len(prompt) + len(toks), mine), solo[-1], atol=ATOL, rtol=1e-4)
 
 
-def test_batch_memory_grows_once_per_join_and_is_freed_when_idle():
+def test_batch_memory_grows_once_per_join_and_is_kept_when_idle_until_released():
     rt = tiny_runtime("llama")
     batch = DecodeBatch(rt)
     caches = []
@@ -130,7 +130,19 @@ def test_batch_memory_grows_once_per_join_and_is_freed_when_idle():
     assert batch.kv.slots == 4 and batch.size_bytes == size_one // 256 * 768 * 4
     for row in (2, 1, 0):
         batch.leave(row)
-    assert batch.n_rows == 0 and batch.size_bytes == 0
+    held = [k.data_ptr() for k in batch.kv.keys]
+    assert batch.n_rows == 0 and batch.size_bytes == size_one // 256 * 768 * 4  # kept for the next rows
+    for c in caches[::-1]:  # rows again, in another order: written into the kept buffers, nothing allocated
+        batch.join(c, 100)
+    assert [k.data_ptr() for k in batch.kv.keys] == held
+    fresh = DecodeBatch(rt)
+    for c in caches[::-1]:
+        fresh.join(c, 100)
+    torch.testing.assert_close(batch.step([1, 2, 3]), fresh.step([1, 2, 3]))  # what the earlier rows left is unread
+    for row in (2, 1, 0):
+        batch.leave(row)
+    batch.kv.release()
+    assert batch.size_bytes == 0
 
 
 def test_a_batch_told_how_many_rows_are_coming_grows_once_for_all():

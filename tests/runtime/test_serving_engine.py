@@ -3,6 +3,7 @@ the KV budget, cancellation and the background share."""
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -120,7 +121,14 @@ async def test_kv_budget_holds_requests_back_and_refuses_what_never_fits(rt):
         await watcher
         assert all(isinstance(o[-1], Done) and len(o[-1].token_ids) == 150 for o in outs)
         assert max(seen) == 1  # 2 rows of 250 tokens padded to 256 (+ a prefill of 100) pass 600: one at a time
-        assert eng.kv_bytes() == 0
+        assert eng.kv_bytes() == 256 * bpt  # the idle batch keeps its one row's buffers for the next request
+        # kept buffers count: with them, a 300-token request's prefill would pass the budget, so the idle batch
+        # gives them back before it starts (and the new row's buffers are all it holds after); a small one keeps them
+        assert eng._fits(SimpleNamespace(need_tokens=20, n_prompt=10)) and eng.kv_bytes() == 256 * bpt
+        assert eng._fits(SimpleNamespace(need_tokens=300, n_prompt=290)) and eng.kv_bytes() == 0
+        big = _submit(eng, rt, random_ids(290, seed=9), GenParams(max_tokens=10))
+        assert isinstance((await _collect(big))[-1], Done)
+        assert eng.kv_bytes() == 512 * bpt
     finally:
         eng.stop()
 

@@ -256,15 +256,21 @@ class ServingEngine(SequenceStarts):
 
     def _fits(self, w: SequenceWork) -> bool:
         """Would the K/V of every admitted sequence, w included, stay within the budget once all have joined (the
-        batch padded to its longest reservation) while their prefill caches exist? One sequence always fits."""
-        seqs = self.sched.running + [x for x in self.sched.active if x.is_sequence]
-        if not seqs or not self.bytes_per_token:
+        batch padded to its longest reservation, and never smaller than the buffers it keeps from earlier rows)
+        while their prefill caches exist? One sequence always fits: an idle batch gives back kept buffers first if
+        they and w's prefill would not."""
+        if not self.bytes_per_token:
             return True
-        rows = len(seqs) + 1
-        slots = 1 << (rows - 1).bit_length()
-        cap = self.batch.kv.padded(max(x.need_tokens for x in (*seqs, w)))
+        seqs = self.sched.running + [x for x in self.sched.active if x.is_sequence]
+        kv = self.batch.kv
+        slots = max(1 << len(seqs).bit_length(), kv.slots)  # rows: len(seqs) + 1
+        cap = max(kv.padded(max(x.need_tokens for x in (*seqs, w))), kv.capacity)
         prefilling = sum(x.n_prompt for x in seqs if x.row is None) + w.n_prompt
-        return (slots * cap + prefilling) * self.bytes_per_token <= self.config.kv_budget_bytes
+        if (slots * cap + prefilling) * self.bytes_per_token <= self.config.kv_budget_bytes:
+            return True
+        if not seqs and kv.n_rows == 0:
+            kv.release()
+        return not seqs
 
     def kv_bytes(self) -> int:
         """K/V the engine holds now: the decode batch's buffers (prefill caches are counted by their requests)."""
