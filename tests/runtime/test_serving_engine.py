@@ -230,6 +230,63 @@ async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goe
         eng.stop()
 
 
+async def test_under_load_background_steps_leave_a_new_request_and_the_moment_after_one_ends_alone(rt):
+    """With another stream decoding (never idle), background work due by its share still does not step while a
+    request waits or prefills, nor within `background_idle_s` after one finished (its client's next request comes
+    right then); it steps again after that. bench/background.py measured what such steps cost live p90 TTFT."""
+    eng = await _engine(rt, max_running=4, background_share=0.5, background_idle_s=0.4)
+    starts: list[float] = []
+
+    def bg_steps():
+        while True:
+            starts.append(time.monotonic())
+            time.sleep(0.02)  # a background chunk: the share is busy time, so it must take some
+            yield 1
+
+    try:
+        long = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
+        stream = long.stream()
+        await anext(stream)
+        bg = eng.submit_steps(bg_steps(), background=True)
+        await asyncio.sleep(2.0)  # the share settles near 0.5, far above the 0.25 floor of steps that are not quiet
+        n_before = len(starts)
+        assert n_before > 10
+        t_sub = time.monotonic()
+        short = await _collect(_submit(eng, rt, random_ids(9, seed=2), GenParams(max_tokens=3)))
+        t_end = time.monotonic()
+        assert isinstance(short[-1], Done)
+        await asyncio.sleep(0.8)
+        during = [t for t in starts if t_sub + 0.01 < t < t_end + 0.3]
+        assert during == [], (t_end - t_sub, [t - t_sub for t in during])
+        assert any(t > t_end + 0.4 for t in starts)  # quiet again: background steps resume
+        await stream.aclose()
+        bg.cancel_event.set()
+    finally:
+        eng.stop()
+
+
+def test_background_keeps_half_its_share_when_no_step_is_quiet():
+    """A step that is not quiet runs background work only below half its share: busy live work cannot starve it."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.2)
+    loop = asyncio.new_event_loop()
+    try:
+        w = StepsWork(Job(loop), iter(()), background=True)
+        assert sched.add(w)
+        sched.live_s, sched.background_s = 0.85, 0.15  # share 0.15: due, above the floor of 0.1
+        assert sched.next_background(live_pending=True, quiet=True) is w
+        assert sched.next_background(live_pending=True, quiet=False) is None
+        sched.live_s, sched.background_s = 0.95, 0.05  # below the floor
+        assert sched.next_background(live_pending=True, quiet=False) is w
+        sched.live_s, sched.background_s = 0.7, 0.3  # its share is spent
+        assert sched.next_background(live_pending=True, quiet=True) is None
+        assert sched.next_background(live_pending=False, quiet=False) is w  # nothing live: always
+    finally:
+        loop.close()
+
+
 async def test_failure_in_a_prefill_reaches_only_its_request(rt):
     eng = await _engine(rt, max_running=4)
 

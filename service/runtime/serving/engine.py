@@ -5,7 +5,11 @@ request's cache runs here, on one thread (torch is imported here only once a mod
 this module without it). A step: free the rows of requests that hung up, admit queued work, live prefill steps
 within the token budget, one batched decode forward over the running sequences (runner.py), then a background step
 when its share is due. On an idle engine background work waits `background_idle_s` after the last live step, so a
-client's next request is not queued behind a background step that started in the moment between two requests.
+client's next request is not queued behind a background step that started in the moment between two requests; under
+load a step within `background_idle_s` of a request's end is not quiet (scheduler.next_background), for the same
+reason: with two clients back to back (bench/background.py) background steps (~250 ms each) that ran whenever
+their share was due put live p90 first-token latency at 557-584 ms against 341-370 ms with background off; kept
+out of those moments, 366 ms (docs/BENCHMARKS.md, "Background work under load").
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class ServingEngine(SequenceStarts):
         self._stopping = False
         self._in_step = False
         self._t_live = 0.0  # when the last step with live work ended (monotonic)
+        self._t_end = 0.0  # when live work last finished (monotonic): its client's next request may follow at once
         self.thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
         self.thread.start()
 
@@ -178,14 +183,19 @@ class ServingEngine(SequenceStarts):
             self._drop(w)
         self.sched.admit(self._fits)
         live_pending = bool(self.sched.waiting or self.sched.active or self.sched.running)  # waiting: not yet fit
+        n_live = len(self.sched.active) + len(self.sched.running)
         # prefill before decode: a new request's first token (sampled when its prefill ends) does not wait for the
         # running rows' forward, and a sequence that joins decodes its second token in this same step
         self._prefill(self.sched.prefill_budget())
         if self.sched.running:
             self._decode()
         t_live = time.perf_counter() - t0
+        if len(self.sched.active) + len(self.sched.running) < n_live:
+            self._t_end = time.monotonic()
+        quiet = not (self.sched.waiting or self.sched.active) and \
+            time.monotonic() - self._t_end >= self.config.background_idle_s
         bg_s = 0.0
-        work = self.sched.next_background(live_pending)
+        work = self.sched.next_background(live_pending, quiet)
         if work is not None:
             t1 = time.perf_counter()
             self._advance(work)

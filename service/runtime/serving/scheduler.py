@@ -3,7 +3,8 @@
 Like vLLM's V1 scheduler, a step is not a prefill step or a decode step: it is one batched decode forward over
 every running sequence (a token each) plus live prefill work from the head of the queue, within one token budget
 (`step_token_budget`, minus the decode tokens), plus background work (seam calibration, shadow checks,
-refinement of repeated skill orders) when its share of the engine's busy time is due. Work is admitted in arrival
+refinement of repeated skill orders) when its share of the engine's busy time is due, preferably in a step where
+no first token is awaited (next_background). Work is admitted in arrival
 order (first come, first served, no skipping) while the running sequences stay within `max_running` and the
 batch's K/V within the KV budget; the rest waits in a bounded queue, and past that a request gets
 `429 overloaded`. A sequence reserves its whole length (prompt + max_tokens) when admitted, so nothing is
@@ -91,16 +92,20 @@ class Scheduler:
         """Tokens live prefill work may run this step (at least one step of it always runs)."""
         return max(1, self.step_token_budget - len(self.running))
 
-    def next_background(self, live_pending: bool) -> Work | None:
+    def next_background(self, live_pending: bool, quiet: bool = True) -> Work | None:
         """The background work to step now, or None: always when nothing live is pending; under load only while
-        its share of the window's busy time is below `background_share`."""
+        its share of the window's busy time is below `background_share`, and in a step that is not `quiet` (a
+        request waits or prefills, or one just finished and its client's next request is on the way: a first
+        token is awaited) only while it is below half of that. So background steps go between decode steps, where
+        they delay a running stream's next token, not a new request's first, yet keep half their share when quiet
+        steps are rare."""
         with self.lock:
             self.background = [w for w in self.background if not w.finished]
             if not self.background or self.background_paused:
                 return None
             if live_pending:
-                total = self.live_s + self.background_s
-                if self.background_share <= 0 or self.background_s > self.background_share * total:
+                share = self.background_share * (1.0 if quiet else 0.5)
+                if share <= 0 or self.background_s > share * (self.live_s + self.background_s):
                     return None
             # priorities may change while work waits (a refinement whose order keeps repeating): pick afresh
             return min(self.background, key=lambda w: (w.current_priority(), w.seq_no))
