@@ -13,7 +13,9 @@ three of the six shipped skills. The engine is never idle for SKILLCACHE_BACKGRO
 runs only through its share of the busy time (SKILLCACHE_BACKGROUND_SHARE). --register-at-s into the load a new
 skill is registered and compiled (a live request); its calibration is background work.
 
-Reported per arm: live first-token latency p50/p90 over every request; how long the new skill's calibration
+Reported per arm: live first-token latency p50/p90 over every request, and the p90 of each 30 s of the load (two
+clients back to back fall into phases: while one's requests arrive during the other's prefill, a stretch of tens of
+seconds, the p90 is a prefill higher with or without background work; --think-ms makes the phase drift); how long the new skill's calibration
 took (registration answered -> `GET /v1/skills/{name}` shows its calibration, polled every 0.25 s); how long the
 repeated order's refinement took (the request that made it wanted -> the first request of the order served
 from the exact prefix); the background share of the engine's busy time over the load.
@@ -58,6 +60,10 @@ def counters(text: str) -> dict[str, float]:
     return out
 
 
+def p90(xs: list[float]) -> float:
+    return sorted(xs)[int(round(0.9 * (len(xs) - 1)))]
+
+
 async def ask(c: httpx.AsyncClient, skills: list[str], user: str, max_tokens: int) -> dict:
     r = await stream_compose(c, {"skills": skills, "user": user, "max_tokens": max_tokens, "temperature": 0.0,
                                  "stream": True, "seam_tokens": 4})
@@ -95,6 +101,8 @@ async def load(url: str, args, seed: int, calibrating: bool) -> dict:
                 r = await ask(c, order, TURNS[i % len(TURNS)], args.max_tokens)
                 r.update(repeated=repeated, t=r["t_end"] - t0)
                 rows.append(r)
+                if args.think_ms:  # a random pause: the clients' relative phase drifts instead of locking
+                    await asyncio.sleep(rng.uniform(0, args.think_ms) / 1e3)
                 if repeated:
                     seen["n"] += 1
                     if seen["n"] == args.refine_after and "wanted_at" not in events:
@@ -125,8 +133,9 @@ async def load(url: str, args, seed: int, calibrating: bool) -> dict:
     def took(a: str, b: str) -> float | None:
         return events[b] - events[a] if a in events and b in events else None
 
-    return {"requests": len(rows), "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p90_s": sorted(ttfts)[int(round(0.9 * (len(ttfts) - 1)))],
+    windows = [[r["ttft_s"] for r in rows if w <= r["t"] < w + 30] for w in range(0, int(args.duration_s), 30)]
+    return {"requests": len(rows), "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": p90(ttfts),
+            "ttft_p90_by_30s": [p90(w) if w else None for w in windows],
             "calibration_s": took("registered_at", "calibrated_at"),
             "refinement_s": took("wanted_at", "refined_served_at"),
             "repeated_exact": sum(1 for r in rows if r["repeated"] and r["prefix_tokens"]),
@@ -141,6 +150,8 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=90.0)
     ap.add_argument("--register-at-s", type=float, default=15.0)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--think-ms", type=float, default=0.0, help="each client pauses a random 0..this many ms after a "
+                    "response (0: back to back)")
     ap.add_argument("--refine-after", type=int, default=1, help="the service's SKILLCACHE_REFINE_AFTER (on arm)")
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for the on arm")
     ap.add_argument("--seed", type=int, default=0)
@@ -166,6 +177,8 @@ def main() -> None:
               f"{'-' if cal is None else f'{cal:.1f} s'}; repeated order refined after "
               f"{'-' if ref is None else f'{ref:.1f} s'} ({res['repeated_exact']}/{res['repeated']} served exact); "
               f"background share {res['background_share']:.1%}", flush=True)
+        print("     TTFT p90 by 30 s of load: " + " ".join("-" if x is None else f"{x * 1e3:.0f}"
+                                                       for x in res["ttft_p90_by_30s"]) + " ms", flush=True)
     if "on" in out["arms"] and "off" in out["arms"]:
         rise = out["arms"]["on"]["ttft_p90_s"] / out["arms"]["off"]["ttft_p90_s"] - 1
         out["p90_rise"] = rise
