@@ -7,9 +7,8 @@ within the token budget, one batched decode forward over the running sequences (
 when its share is due. On an idle engine background work waits `background_idle_s` after the last live step, so a
 client's next request is not queued behind a background step that started in the moment between two requests; under
 load a step within `background_idle_s` of a request's end is not quiet (scheduler.next_background), for the same
-reason: with two clients back to back (bench/background.py) background steps (~250 ms each) that ran whenever
-their share was due put live p90 first-token latency at 557-584 ms against 341-370 ms with background off; kept
-out of those moments, 366 ms (docs/BENCHMARKS.md, "Background work under load").
+reason: a background step (~250 ms at 2.4k tokens of context on a CPU) taken in the step that ended a response
+lands in front of that client's next request (docs/BENCHMARKS.md, "Background work under load").
 """
 
 from __future__ import annotations
