@@ -79,6 +79,11 @@ class BatchKV:
         """The capacity a row of n_tokens makes the batch allocate."""
         return -(-n_tokens // _ROUND) * _ROUND
 
+    @staticmethod
+    def slots_for(rows: int) -> int:
+        """The rows the batch allocates to hold `rows` rows: the next power of two."""
+        return 1 << (rows - 1).bit_length()
+
     def add(self, cache: DynamicCache, reserve_tokens: int, rows: int = 1) -> int:
         """Copy a prefilled batch-1 cache into a new row with room for `reserve_tokens` in all; returns the row.
         `rows`: how many rows the batch is about to hold (the engine's admitted sequences): buffers that grow get
@@ -86,7 +91,7 @@ class BatchKV:
         layers = cache.layers
         n = layers[0].get_seq_length()
         need = self.padded(max(reserve_tokens, n + 1))
-        slots = 1 << (max(rows, self.n_rows + 1) - 1).bit_length()
+        slots = self.slots_for(max(rows, self.n_rows + 1))
         if not self.keys:  # first row: shapes, dtype and device from the sequence
             self.device = layers[0].keys.device
             with torch.inference_mode(False):

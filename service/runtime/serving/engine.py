@@ -272,7 +272,7 @@ class ServingEngine(SequenceStarts):
             return True
         seqs = self.sched.running + [x for x in self.sched.active if x.is_sequence]
         kv = self.batch.kv
-        slots = max(1 << len(seqs).bit_length(), kv.slots)  # rows: len(seqs) + 1
+        slots = max(kv.slots_for(len(seqs) + 1), kv.slots)
         cap = max(kv.padded(max(x.need_tokens for x in (*seqs, w))), kv.capacity)
         prefilling = sum(x.n_prompt for x in seqs if x.row is None) + w.n_prompt
         if (slots * cap + prefilling) * self.bytes_per_token <= self.config.kv_budget_bytes:
