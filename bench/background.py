@@ -17,8 +17,8 @@ Reported per arm: live first-token latency p50/p90 over every request, and the p
 clients back to back fall into phases: for tens of seconds one's requests arrive during the other's prefill, and
 the p90 is a prefill higher with or without background work; --think-ms, a random pause after each response,
 makes the phase drift, and lets background work also run when both clients pause); how long the new skill's
-calibration took (registration answered -> `GET /v1/skills/{name}` shows its calibration, polled every 0.25 s); how long the
-repeated order's refinement took (the request that made it wanted -> the first request of the order served
+calibration took (registration answered -> `GET /v1/skills/{name}` shows its calibration, polled every 0.25 s);
+how long the repeated order's refinement took (the request that made it wanted -> the first request of the order served
 from the exact prefix); the background share of the engine's busy time over the load.
 """
 
