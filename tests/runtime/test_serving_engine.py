@@ -6,11 +6,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from service import metrics
 from service.errors import LimitExceeded, Overloaded
 from service.kv.cache import new_cache
 from service.runtime.decode import generate
+from service.runtime.engine import run_steps
 from service.runtime.params import Delta, Done, GenParams
 from service.runtime.prompt import PromptPlan, Segment
 from service.runtime.serving import EngineConfig, ServingEngine
@@ -262,6 +264,39 @@ async def test_under_load_background_steps_leave_a_new_request_and_the_moment_af
         assert any(t > t_end + 0.6 for t in starts)  # quiet again: background steps resume
         await stream.aclose()
         bg.cancel_event.set()
+    finally:
+        eng.stop()
+
+
+async def test_background_prefills_take_the_shorter_busy_chunk_while_live_work_runs(rt):
+    """A background prefill reads its chunk before each forward (ServingEngine.background_chunk): the busy chunk
+    while a request is served (one arriving mid-step waits for all of it), the full chunk on an idle engine; the
+    logits are the one-forward prefill's either way."""
+    eng = await _engine(rt, max_running=4, background_share=0.5, background_idle_s=0.05, background_chunk=32,
+                        background_busy_chunk=8)
+    ids, sizes = random_ids(480, seed=4), []
+
+    def chunk():
+        sizes.append(eng.background_chunk())
+        return sizes[-1]
+
+    def bg_steps():
+        _, logits = yield from rt.full_prefill_steps(ids, chunk)
+        return logits
+
+    try:
+        long = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
+        stream = long.stream()
+        await anext(stream)
+        bg = eng.submit_steps(bg_steps(), background=True)
+        while len(sizes) < 4:
+            await anext(stream)
+        await stream.aclose()  # the client hangs up: the engine is idle from the next step on
+        logits = await bg.result()
+        assert sizes[:4] == [8] * 4 and sizes[-1] == 32, sizes
+        assert sum(min(s, 480 - sum(sizes[:i])) for i, s in enumerate(sizes)) == 480
+        _, whole = run_steps(rt.full_prefill_steps(ids, None))
+        assert torch.allclose(logits, whole, rtol=1e-4, atol=1e-4)
     finally:
         eng.stop()
 

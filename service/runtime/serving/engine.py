@@ -40,11 +40,14 @@ class EngineConfig:
     background_idle_s: float = 0.1
     torch_threads: int = 0  # the engine thread's; every other thread gets one (service/runtime/threads.py)
     shared_kv_reads: bool = True  # rows holding the same K/V chunks read them from one row (service/kv/batch.py)
+    background_chunk: int = 128  # tokens per background step on an idle engine
+    background_busy_chunk: int = 64  # ... and while live work runs (background_chunk())
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
         return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
-                   s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads)
+                   s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads, s.background_chunk_tokens,
+                   s.background_busy_chunk_tokens)
 
 
 class ServingEngine(SequenceStarts):
@@ -114,6 +117,14 @@ class ServingEngine(SequenceStarts):
                 f"than the KV budget ({self.config.kv_budget_bytes / 2**20:.0f} MiB, SKILLCACHE_KV_BUDGET_BYTES); "
                 "use fewer or shorter skills or lower max_tokens")
         return self._submit(work)
+
+    def background_chunk(self) -> int:
+        """Tokens for background work's next forward (read before each: ModelRuntime.forward_steps' Chunk). While
+        live work runs, the shorter busy chunk: a request that arrives during a background step waits for all of
+        it, and a 64-token step takes about half as long as a 128-token one at ~10% more per token
+        (docs/BENCHMARKS.md, "Background work under load")."""
+        c = self.config
+        return min(c.background_busy_chunk, c.background_chunk) if self.sched.has_live() else c.background_chunk
 
     def pause_background(self) -> None:
         """Hold background work (queued, not run) until resume_background: tests, and an operator's A/B."""
