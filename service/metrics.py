@@ -32,6 +32,8 @@ QUEUE_WAIT = Histogram("skillcache_queue_wait_seconds", "Time live work waited b
 ENGINE_BUSY = Counter("skillcache_engine_busy_seconds_total", "Engine busy time by kind (live, background)", ["kind"])
 BACKGROUND_SHARE = Gauge("skillcache_engine_background_share", "Share of the engine's busy time given to background "
                          "work over the last ~10 s")
+BACKGROUND_YIELDS = Counter("skillcache_engine_background_yields_total", "Background steps that gave way to live "
+                            "work mid-forward, at a decoder layer (resumed later where they stopped)")
 KV_BYTES = Gauge("skillcache_engine_kv_bytes", "K/V buffers held by the decode batch, kept when it empties")
 SHARED_ROWS = Gauge("skillcache_engine_shared_kv_rows", "Decode batch rows reading some of their K/V chunks from "
                     "another row that holds the same (SKILLCACHE_SHARED_KV_READS)")

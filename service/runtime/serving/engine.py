@@ -23,6 +23,7 @@ from typing import Any
 
 from service import metrics
 from service.errors import LimitExceeded
+from service.runtime.serving.background import SLICE_S, BackgroundStep
 from service.runtime.serving.scheduler import SHARE_WINDOW_S, Scheduler
 from service.runtime.serving.starts import SequenceStarts
 from service.runtime.serving.work import Call, Job, SequenceWork, StepsWork, Work
@@ -64,22 +65,27 @@ class ServingEngine(SequenceStarts):
         self._in_step = False
         self._t_live = 0.0  # when the last step with live work ended (monotonic)
         self._t_end = 0.0  # when live work last finished (monotonic): its client's next request may follow at once
+        self.bg = BackgroundStep()  # a background step gives way to live work that arrives while it runs
+        self._arrivals = 0  # live work submitted so far
         self.thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
         self.thread.start()
 
     # ---- request threads ------------------------------------------------------------------
     def bind(self, rt) -> None:
         """Serve `rt`'s model (call on the engine: `await engine.run(lambda c: engine.bind(rt))`)."""
+        from service.runtime import preempt
         from service.runtime.decode import TokenStream
         from service.runtime.serving.runner import DecodeBatch
 
         self.rt, self.batch = rt, DecodeBatch(rt, share_chunks=self.config.shared_kv_reads)
         self._stream_cls = TokenStream
         self.bytes_per_token = rt.kv_bytes_per_token()
+        preempt.install(rt.model)
 
     def _submit(self, work: Work) -> Job:
         accepted = self.sched.add(work)
         if accepted:
+            self._arrivals += 0 if work.background else 1
             with self._wake:
                 self._wake.notify()
         else:
@@ -179,6 +185,7 @@ class ServingEngine(SequenceStarts):
                     log.exception("engine step failed")
                 finally:
                     self._in_step = False
+        self.bg.abandon()
         for w in self.sched.drain_all():
             w.close()
 
@@ -208,10 +215,10 @@ class ServingEngine(SequenceStarts):
         quiet = not (self.sched.waiting or self.sched.active) and \
             time.monotonic() - self._t_end >= self.config.background_idle_s
         bg_s = 0.0
-        work = self.sched.next_background(live_pending, quiet)
+        work = self.sched.next_background(live_pending, quiet, self.bg.work)
         if work is not None:
-            t1 = time.perf_counter()
-            self._advance(work)
+            t1, n = time.perf_counter(), self._arrivals
+            self.bg.advance(work, lambda: self._arrivals != n, SLICE_S if live_pending else None)
             bg_s = time.perf_counter() - t1
         self.sched.account(t_live, bg_s)
         self.sched.gauges()
@@ -275,6 +282,8 @@ class ServingEngine(SequenceStarts):
         elif w.is_sequence and w.out is not None:
             w.finish("cancelled")
         else:
+            if w is self.bg.work:
+                self.bg.abandon()
             w.close()
 
     def _fits(self, w: SequenceWork) -> bool:

@@ -92,13 +92,13 @@ class Scheduler:
         """Tokens live prefill work may run this step (at least one step of it always runs)."""
         return max(1, self.step_token_budget - len(self.running))
 
-    def next_background(self, live_pending: bool, quiet: bool = True) -> Work | None:
+    def next_background(self, live_pending: bool, quiet: bool = True, current: Work | None = None) -> Work | None:
         """The background work to step now, or None: always when nothing live is pending; under load only while
         its share of the window's busy time is below `background_share`, and in a step that is not `quiet` (a
         request waits or prefills, or one just finished and its client's next request is on the way: a first
         token is awaited) only while it is below half of that. So background steps go between decode steps, where
         they delay a running stream's next token, not a new request's first, yet keep half their share when quiet
-        steps are rare."""
+        steps are rare. `current`: background work whose step gave way to live work mid-forward goes on first."""
         with self.lock:
             self.background = [w for w in self.background if not w.finished]
             if not self.background or self.background_paused:
@@ -107,6 +107,8 @@ class Scheduler:
                 share = self.background_share * (1.0 if quiet else 0.5)
                 if share <= 0 or self.background_s > share * (self.live_s + self.background_s):
                     return None
+            if current is not None and not current.finished:
+                return current
             # priorities may change while work waits (a refinement whose order keeps repeating): pick afresh
             return min(self.background, key=lambda w: (w.current_priority(), w.seq_no))
 
