@@ -75,10 +75,6 @@ class Settings(BaseSettings):
     background_chunk_tokens: int = Field(128, ge=1, description="tokens per step of a background full prefill "
                                          "(calibration, shadow checks, refinement): a live request waits behind one "
                                          "step at most")
-    background_busy_chunk_tokens: int = Field(64, ge=1, description="tokens per background step under load (live "
-                                              "requests now or in the last 10 s; at most background_chunk_tokens): "
-                                              "a request arriving mid-step waits for it, so under load steps are "
-                                              "shorter")
     shadow_sample_rate: float = Field(0.02, ge=0.0, le=1.0, description="compose requests re-run in full, idle")
 
     # edits: one line per changed field, appended after the skill blocks ({field}, {value})

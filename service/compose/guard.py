@@ -2,7 +2,7 @@
 
 Both run off the hot path: a calibration is scheduled when a block is compiled, a shadow check
 after a sampled response has completed, and both run as background work of the serving engine (its background
-share, in steps of SKILLCACHE_BACKGROUND_CHUNK_TOKENS, or SKILLCACHE_BACKGROUND_BUSY_CHUNK_TOKENS under load). A skill whose shadow check fails is marked degraded and
+share, in steps of SKILLCACHE_BACKGROUND_CHUNK_TOKENS). A skill whose shadow check fails is marked degraded and
 served by full prefill until recalibrated.
 Deleting a skill (`forget`) drops its blocks' state, and jobs still in flight for them record nothing.
 """
@@ -71,7 +71,7 @@ class FidelityGuard:
         try:
             cal = await self.run_background(calibration_steps(
                 self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-                self.s.fidelity_tie_margin, self.engine.background_chunk), priority=CALIBRATION_PRIORITY)
+                self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=CALIBRATION_PRIORITY)
             if cal is None:
                 return  # the engine's background backlog was full: a later request schedules it again
             block.meta["calibration"] = json.dumps(cal.to_dict())
@@ -112,9 +112,9 @@ class FidelityGuard:
     async def _shadow(self, keys, plan, blocks, seams, since: int) -> None:
         from service.runtime.fidelity import logit_agreement
 
-        chunk = self.engine.background_chunk  # tokens per step, read before each (shorter under load)
+        chunk = self.s.background_chunk_tokens
 
-        def steps():  # the composed prefill, then the full one, in background steps
+        def steps():  # the composed prefill, then the full one, in background steps of `chunk` tokens
             self.shadow_started.append(time.monotonic())  # on the engine, after the sampled response
             comp = yield from self.rt.prefill_steps(plan, blocks, mode="compose", seam_tokens=seams, chunk=chunk)
             _, full = yield from self.rt.full_prefill_steps(plan.ids, chunk)

@@ -96,7 +96,7 @@ class ComposePipeline:
         self.store = store
         self.engine = engine
         self.guard = FidelityGuard(settings, runtime, engine, store)
-        self.refiner = PrefixRefiner(settings.refine_after, engine.background_chunk, runtime, store,
+        self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store,
                                      self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
 

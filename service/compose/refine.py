@@ -37,7 +37,6 @@ from service.store.key import BlockKey
 if TYPE_CHECKING:
     from service.compose.guard import FidelityGuard
     from service.kv.block import KVBlock
-    from service.runtime.engine import Chunk
     from service.runtime.prompt import PromptPlan
     from service.store.tiered import TieredStore
 
@@ -47,7 +46,7 @@ _DONATED = object()  # a background refinement's value when a live full prefill 
 
 
 class PrefixRefiner:
-    def __init__(self, after: int, chunk: "Chunk", runtime, store: "TieredStore", guard: "FidelityGuard",
+    def __init__(self, after: int, chunk: int, runtime, store: "TieredStore", guard: "FidelityGuard",
                  from_full: bool = True) -> None:
         self.after, self.chunk, self.from_full = after, chunk, from_full  # after 0: off
         self.rt, self.store, self.guard = runtime, store, guard

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from service.kv.block import KVBlock
-from service.runtime.engine import BACKGROUND_CHUNK_TOKENS, Chunk, ModelRuntime, Steps, run_steps
+from service.runtime.engine import BACKGROUND_CHUNK_TOKENS, ModelRuntime, Steps, run_steps
 
 _PROBES = [  # (system text, neighbour text or None, user turn)
     ("You are a helpful assistant.", None, "What should I do first?"),
@@ -47,7 +47,7 @@ def _decisive(logits: torch.Tensor, margin: float) -> bool:
 
 
 def calibration_steps(rt: ModelRuntime, block: KVBlock, candidates: list[int], min_cosine: float,
-                      tie_margin: float, chunk: Chunk = BACKGROUND_CHUNK_TOKENS) -> Steps:
+                      tie_margin: float, chunk: int = BACKGROUND_CHUNK_TOKENS) -> Steps:
     """Calibration as steps of at most `chunk` tokens through the model (engine.Steps): the serving engine runs
     them in its background share, so a live request waits behind one step of calibration work at most."""
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,9 +21,6 @@ from service.runtime.prompt import PromptBuilder, PromptPlan, Segment
 
 Mode = Literal["compose", "full"]
 BACKGROUND_CHUNK_TOKENS = 128  # tokens per background prefill step: Settings.background_chunk_tokens's default
-# a chunk size: tokens per forward; None: one forward; a callable: read before each forward (the serving engine's
-# background work takes shorter steps while live requests are served, ServingEngine.background_chunk)
-Chunk = int | Callable[[], int] | None
 DEFERRED_TAIL_TOKENS = 64  # prefill_steps(defer_tail=True) leaves a text tail of at most this many to the caller
 
 
@@ -124,21 +121,20 @@ class ModelRuntime:
         return lp
 
     @torch.inference_mode()
-    def forward_steps(self, ids: list[int], start: int, cache: DynamicCache, chunk: Chunk = None) -> Steps:
+    def forward_steps(self, ids: list[int], start: int, cache: DynamicCache, chunk: int | None = None) -> Steps:
         """forward() in pieces of at most `chunk` tokens (None: one piece), a step each -> last logits [V].
         Chunking changes the result at float-rounding level only (docs/BENCHMARKS.md: KL ~3e-7)."""
-        logits, lo = None, 0
-        while lo < len(ids):
-            size = (chunk() if callable(chunk) else chunk) or len(ids)
-            piece = ids[lo:lo + size]
+        chunk = chunk or max(1, len(ids))
+        logits = None
+        for lo in range(0, len(ids), chunk):
+            piece = ids[lo:lo + chunk]
             logits = self.forward(piece, start + lo, cache)
-            lo += len(piece)
             yield len(piece)
         return logits
 
     @torch.inference_mode()
     def compile_block_steps(self, token_ids: list[int], anchor: list[int] | None = None,
-                            chunk: Chunk = None) -> Steps:
+                            chunk: int | None = None) -> Steps:
         """Prefill a skill's ids after `anchor` (default: the template's opening, self.anchor) -> KVBlock
         at positions len(anchor)..len(anchor)+N-1. `anchor=[]`: the ids alone at 0..N-1.
 
@@ -168,14 +164,14 @@ class ModelRuntime:
         append_kv(cache, [k for k, _ in self._anchor_kv], [v for _, v in self._anchor_kv])
 
     @torch.inference_mode()
-    def full_prefill_steps(self, ids: list[int], chunk: Chunk = BACKGROUND_CHUNK_TOKENS) -> Steps:
+    def full_prefill_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS) -> Steps:
         """The full prefill of `ids` at 0..N-1 in steps of at most `chunk` tokens -> (cache, last logits [V])."""
         cache = new_cache(self.model.config, reserve_tokens=len(ids))
         logits = yield from self.forward_steps(ids, 0, cache, chunk)
         return cache, logits
 
     @torch.inference_mode()
-    def exact_prefix_steps(self, ids: list[int], chunk: Chunk = BACKGROUND_CHUNK_TOKENS,
+    def exact_prefix_steps(self, ids: list[int], chunk: int = BACKGROUND_CHUNK_TOKENS,
                            held: KVBlock | None = None) -> Steps:
         """The full prefill of `ids` as a base-0 block: a refined prefix (service/compose/refine.py). `held`: an
         exact prefix of `ids` already refined; only the tokens after it are prefilled."""
@@ -188,7 +184,8 @@ class ModelRuntime:
         return block_from_cache(cache, ids, self.fingerprint, base=0)
 
     @torch.inference_mode()
-    def extend_steps(self, cache: DynamicCache, cached_ids: list[int], ids: list[int], chunk: Chunk = None) -> Steps:
+    def extend_steps(self, cache: DynamicCache, cached_ids: list[int], ids: list[int], chunk: int | None = None
+                     ) -> Steps:
         """A session turn: keep the cache's longest common prefix with `ids` (at least one token is recomputed: it
         gives the next-token logits), prefill the rest -> PrefillResult on the same cache."""
         t0 = time.perf_counter()
@@ -253,7 +250,7 @@ class ModelRuntime:
     @torch.inference_mode()
     def prefill_steps(
         self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
-        prefix: KVBlock | None = None, chunk: Chunk = None, reserve_tokens: int = 0, defer_tail: bool = False,
+        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0, defer_tail: bool = False,
     ) -> Steps:
         """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
         forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.

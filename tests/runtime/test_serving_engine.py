@@ -6,13 +6,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from service import metrics
 from service.errors import LimitExceeded, Overloaded
 from service.kv.cache import new_cache
 from service.runtime.decode import generate
-from service.runtime.engine import run_steps
 from service.runtime.params import Delta, Done, GenParams
 from service.runtime.prompt import PromptPlan, Segment
 from service.runtime.serving import EngineConfig, ServingEngine
@@ -264,50 +262,6 @@ async def test_under_load_background_steps_leave_a_new_request_and_the_moment_af
         assert any(t > t_end + 0.6 for t in starts)  # quiet again: background steps resume
         await stream.aclose()
         bg.cancel_event.set()
-    finally:
-        eng.stop()
-
-
-async def test_background_prefills_take_the_shorter_busy_chunk_under_load(rt, monkeypatch):
-    """A background prefill reads its chunk before each forward (ServingEngine.background_chunk): the busy chunk
-    while a request is served or was within BUSY_WINDOW_S (one arriving mid-step waits for all of it), the full
-    chunk on an engine idle for longer; the logits are the one-forward prefill's either way."""
-    from service.runtime.serving import engine as engine_mod
-
-    monkeypatch.setattr(engine_mod, "BUSY_WINDOW_S", 0.5)
-    eng = await _engine(rt, max_running=4, background_share=0.5, background_idle_s=0.05, background_chunk=32,
-                        background_busy_chunk=8)
-    ids, sizes, times = random_ids(480, seed=4), [], []
-
-    def chunk():
-        sizes.append(eng.background_chunk())
-        times.append(time.monotonic())
-        time.sleep(0.02)  # a longer forward: the prefill outlasts the busy window
-        return sizes[-1]
-
-    def bg_steps():
-        _, logits = yield from rt.full_prefill_steps(ids, chunk)
-        return logits
-
-    try:
-        long = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
-        stream = long.stream()
-        await anext(stream)
-        bg = eng.submit_steps(bg_steps(), background=True)
-        while len(sizes) < 4:
-            await anext(stream)
-        await stream.aclose()  # the client hangs up: no live work from the next step on
-        t_gone = time.monotonic()
-        logits = await bg.result()
-        assert sizes[:4] == [8] * 4 and sizes[-1] == 32, sizes
-        after = [n for n, t in zip(sizes, times) if t_gone + 0.05 < t < t_gone + 0.4]
-        assert after and set(after) == {8}  # within the busy window: still under load
-        i = sizes.index(32)
-        assert set(sizes[i:]) == {32} and times[i] > t_gone + 0.4  # then idle for good
-        assert eng.background_chunk() == 32
-        assert sum(min(s, 480 - sum(sizes[:i])) for i, s in enumerate(sizes)) == 480
-        _, whole = run_steps(rt.full_prefill_steps(ids, None))
-        assert torch.allclose(logits, whole, rtol=1e-4, atol=1e-4)
     finally:
         eng.stop()
 

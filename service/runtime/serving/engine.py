@@ -3,12 +3,13 @@
 Request threads submit work and get a Job (work.py); everything that touches the model, the decode batch or a
 request's cache runs here, on one thread (torch is imported here only once a model is bound, so the API can import
 this module without it). A step: free the rows of requests that hung up, admit queued work, live prefill steps
-within the token budget, one batched decode forward over the running sequences (runner.py), then a background step
-when its share is due. On an idle engine background work waits `background_idle_s` after the last live step, so a
-client's next request is not queued behind a background step that started in the moment between two requests; under
-load a step within `background_idle_s` of a request's end is not quiet (scheduler.next_background), for the same
-reason: a background step (~250 ms at 2.4k tokens of context on a CPU) taken in the step that ended a response
-lands in front of that client's next request (docs/BENCHMARKS.md, "Background work under load").
+within the token budget, one batched decode forward over the running sequences (runner.py), then background work
+when its share is due. A background step gives way to live work between two decoder layers (background.py,
+runtime/preempt.py): a request that arrives while one runs (~250 ms at 2.4k tokens of context on a CPU) waits about a
+layer, not the whole step, and under load a step runs at most a 50 ms slice at a time. On an idle engine background
+work still waits `background_idle_s` after the last live step, and under load a step within `background_idle_s` of a
+request's end is not quiet (scheduler.next_background): the moments right after a response are when its client's
+next request comes (docs/BENCHMARKS.md, "Background work under load").
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from typing import Any
 from service import metrics
 from service.errors import LimitExceeded
 from service.runtime.serving.background import SLICE_S, BackgroundStep
-from service.runtime.serving.scheduler import SHARE_WINDOW_S, Scheduler
+from service.runtime.serving.scheduler import Scheduler
 from service.runtime.serving.starts import SequenceStarts
 from service.runtime.serving.work import Call, Job, SequenceWork, StepsWork, Work
 
 log = logging.getLogger(__name__)
-BUSY_WINDOW_S = SHARE_WINDOW_S  # live work this recent means the engine is under load (background_chunk)
 
 
 @dataclass
@@ -42,14 +42,11 @@ class EngineConfig:
     background_idle_s: float = 0.1
     torch_threads: int = 0  # the engine thread's; every other thread gets one (service/runtime/threads.py)
     shared_kv_reads: bool = True  # rows holding the same K/V chunks read them from one row (service/kv/batch.py)
-    background_chunk: int = 128  # tokens per background step on an idle engine
-    background_busy_chunk: int = 64  # ... and while live work runs (background_chunk())
 
     @classmethod
     def from_settings(cls, s) -> "EngineConfig":
         return cls(s.max_running_seqs, s.step_token_budget, s.queue_size, s.kv_budget_bytes, s.background_share,
-                   s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads, s.background_chunk_tokens,
-                   s.background_busy_chunk_tokens)
+                   s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads)
 
 
 class ServingEngine(SequenceStarts):
@@ -124,16 +121,6 @@ class ServingEngine(SequenceStarts):
                 f"than the KV budget ({self.config.kv_budget_bytes / 2**20:.0f} MiB, SKILLCACHE_KV_BUDGET_BYTES); "
                 "use fewer or shorter skills or lower max_tokens")
         return self._submit(work)
-
-    def background_chunk(self) -> int:
-        """Tokens for background work's next forward (read before each: ModelRuntime.forward_steps' Chunk). Under
-        load (live work now, or within BUSY_WINDOW_S: the gaps between a client's requests too), the shorter busy
-        chunk: a request that arrives during a background step waits for all of it, and a 64-token step takes
-        about 0.6x as long as a 128-token one at ~10% more per token (docs/BENCHMARKS.md, "Background work under
-        load"). Only an engine idle for longer takes whole chunks."""
-        c = self.config
-        busy = self.sched.has_live() or time.monotonic() - self._t_live < BUSY_WINDOW_S
-        return min(c.background_busy_chunk, c.background_chunk) if busy else c.background_chunk
 
     def pause_background(self) -> None:
         """Hold background work (queued, not run) until resume_background: tests, and an operator's A/B."""
