@@ -11,15 +11,17 @@ import torch
 from service.kv.cache import new_cache
 from service.runtime import preempt
 from service.runtime.serving import EngineConfig, ServingEngine
-from tiny import FAMILIES, random_ids, tiny_runtime
+from service.runtime.loader import build_random_model
+from tiny import FAMILIES, random_ids, tiny_config, tiny_runtime, tiny_tokenizer
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_gets_a_checkpoint_before_each_decoder_layer(family):
-    rt = tiny_runtime(family)
-    n_layers = rt.model.config.get_text_config(decoder=True).num_hidden_layers
-    assert preempt.install(rt.model) == n_layers
-    assert preempt.install(rt.model) == 0  # once only
+    # a fresh model: tiny_runtime's is shared, and an engine bound to it earlier in the run has installed already
+    model = build_random_model(tiny_config(family), tiny_tokenizer()).model
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert preempt.install(model) == n_layers
+    assert preempt.install(model) == 0  # once only
 
 
 def test_a_parked_forward_and_a_live_one_between_give_their_uninterrupted_logits():
