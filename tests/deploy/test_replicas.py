@@ -41,8 +41,10 @@ class Replica(devserver.ServiceProcess):
     """`python -m service` on a free port with its own SKILLCACHE_HOME (own disk tier), store=redis."""
 
     def __init__(self, name: str, home: Path, redis_url: str) -> None:
+        # one torch thread each: two or three replicas on a 2-core runner, each with a thread per core, leave
+        # OpenMP's workers fighting for the cores (every test here took 25-60 s)
         super().__init__(home, {"SKILLCACHE_STORE": "redis", "SKILLCACHE_REDIS_URL": redis_url,
-                                "SKILLCACHE_DEVICE": "cpu"}, name=name)
+                                "SKILLCACHE_DEVICE": "cpu", "SKILLCACHE_TORCH_THREADS": "1"}, name=name)
         self.start()
 
     def wait_ready(self) -> None:

@@ -19,7 +19,7 @@ from service.runtime.fidelity import compare
 pytestmark = pytest.mark.slow
 
 FORMATS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8"}}
-CASES = [(0,), (1,), (2,), (0, 1), (2, 1, 0)]
+CASES = [(0,), (0, 1), (2, 1, 0)]  # one, two and three skills (the suite runs near its 20 min: one single)
 SYSTEM = "You are a support agent for an online store."
 USER = "My order arrived 10 days ago, unused. Can I get a refund? Answer APPROVE or DENY first."
 
