@@ -22,15 +22,13 @@ def build_runtime(settings: Settings):
 
         if why := w8a8_unfit():
             raise RuntimeError(why)
-    if settings.dtype == "bfloat16" or settings.quantization == "int8":
-        import torch
-
+    if settings.quantization == "int8" or settings.dtype == "bfloat16":  # both multiply in bfloat16
+        from service.runtime.loader import resolve_device
         from service.runtime.quantize import bfloat16_slow
 
-        on_cpu = settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available())
-        if on_cpu and (why := bfloat16_slow()):  # it still runs, the same numbers: a warning, not a refusal
-            log.warning("%s=%s: %s", *(("SKILLCACHE_DTYPE", "bfloat16") if settings.dtype == "bfloat16" else
-                                      ("SKILLCACHE_QUANTIZATION", "int8")), why)
+        if resolve_device(settings.device).type == "cpu" and (why := bfloat16_slow()):  # it runs: a warning
+            what = "SKILLCACHE_QUANTIZATION=int8" if settings.quantization == "int8" else "SKILLCACHE_DTYPE=bfloat16"
+            log.warning("%s: %s", what, why)
     digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
     loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
     loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it
