@@ -9,12 +9,14 @@ reading the weights: 537 MB of float32 per step on the embedded model, ~45 ms of
 Q4_1 `w = d * q + m` (q in 0..15, d and m float16: m is the block's minimum, d its range / 15) or Q8_0 `w = d * q`
 (q in -127..127, d = the block's largest magnitude / 127), and keeps them only where they decode back to the very
 same float32 weight, bit for bit. Any other weight (a float16 or bfloat16 checkpoint, random test weights) stays as
-it is. A packed linear runs inputs of at most `max_rows` rows (decode steps, a seam) through packed_blocks.cpp
-(each block decoded in registers and multiplied into every row, float32, the weight never written out) and longer
-inputs (prefill chunks, bound by compute) through the float32 matmul as before. The arithmetic stays float32 on the same
-weights, so this is the same model; the kernel sums in another order than the BLAS, so its outputs differ from the
-matmul's at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does not depend on how many
-rows the step has, up to `max_rows` (bitwise, tests/runtime/test_packed.py).
+it is. A packed linear runs a decode step (one token a row) of up to `step_rows` rows, and any input of at most
+`max_rows` rows (a seam), through packed_blocks.cpp (each block decoded in registers and multiplied into every row,
+float32, the weight never written out); longer inputs (prefill chunks, a burst's tails) go through the float32 matmul
+as before, so a prompt's K/V come from the same matmuls whether it is prefilled whole or as a tail. The arithmetic
+stays float32 on the same weights, so this is the same model; the kernel sums in another order than the BLAS, so its
+outputs differ from the matmul's at rounding level (~1e-6 relative, like a chunked prefill), and a row's result does
+not depend on how many rows the step has, up to `step_rows` (bitwise, tests/runtime/test_packed.py): a request
+decodes the same tokens alone or in a batch of 16.
 
 On by default (SKILLCACHE_PACKED_DECODE). A C++ extension rather than torch.compile: a compiled call went through
 dynamo's per-call path, ~80 us on the main thread and ~140-180 us from the serving engine's, 211 calls a step, which
@@ -33,7 +35,12 @@ from service.runtime.native import extension
 
 log = logging.getLogger(__name__)
 GROUP = 32  # values per block (GGUF's Q4_0/Q4_1/Q8_0)
-MAX_ROWS = 8  # decode steps of more rows: the float32 matmul (docs/BENCHMARKS.md, "Packed decode")
+MAX_ROWS = 8  # any input of more rows but a decode step: the float32 matmul
+# a decode step's rows, by the kernel's vector path: packed up to here, the float32 matmul past it. The linears of one
+# step of the embedded model (bench/kernels.py; docs/BENCHMARKS.md, "Packed decode"): AVX2's tiles 34 / 60 / 107 /
+# 173 / 201 ms at 8 / 16 / 32 / 48 / 64 rows, the float32 matmul 90 / 107 / 172 / 206 / 214 (an AMD EPYC); AVX-512's
+# passes of 8 rows 45 / 79 / 106 ms at 16 / 25 / 32 rows, the float32 matmul 58 / 60 / 65 (an Intel Xeon)
+STEP_ROWS = {"avx2": 48, "avx512": 16}
 
 
 def recover_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
@@ -67,7 +74,7 @@ class PackedLinear(nn.Module):
     """nn.Linear whose few-row inputs run on the weight's blocks; `weight` is the original float32 parameter (shared:
     a tied LM head keeps the embedding's)."""
 
-    def __init__(self, linear: nn.Linear, blocks, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, linear: nn.Linear, blocks, max_rows: int = MAX_ROWS, step_rows: int = MAX_ROWS) -> None:
         super().__init__()
         q, d, m, self.kind = blocks
         self.weight, self.bias = linear.weight, linear.bias
@@ -78,11 +85,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("q", q, persistent=False)  # [N, K/2] uint8 (q4_1) or [N, K] int8 (q8_0)
         self.register_buffer("d", d.float(), persistent=False)  # [N, K/G] float32 (exactly the float16 scales)
         self.register_buffer("m", m.float(), persistent=False)
-        self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.max_rows, self.step_rows = max_rows, max(step_rows, max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., T, K] -> [..., T, N]; T == 1 (a decode step, [B, 1, K]) packed up to step_rows rows."""
         rows = x.numel() // self.in_features
-        if rows > self.max_rows or x.dtype != torch.float32:
+        step = x.dim() >= 2 and x.shape[-2] == 1
+        if rows > (self.step_rows if step else self.max_rows) or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         y = extension().blocks_mm(x.reshape(rows, self.in_features), self.q, self.d, self.m, self.q4)  # [M, N]
         if self.bias is not None:
@@ -91,7 +101,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks "
-                f"<= {self.max_rows} rows")
+                f"<= {self.max_rows} rows, decode steps <= {self.step_rows}")
 
 
 def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
@@ -99,11 +109,13 @@ def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
     check the kernel; counts by kind ({} when nothing was packed, or the kernel could not be compiled here)."""
     found = [(name, mod, recover_blocks(mod.weight)) for name, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.weight.device.type == "cpu"]
-    packed = [(name, PackedLinear(mod, blocks, max_rows)) for name, mod, blocks in found if blocks is not None]
-    if not packed:
+    if not any(blocks is not None for *_, blocks in found):
         return {}
     try:
-        _warm({(p.kind, p.q.shape): p for _, p in packed}.values(), max_rows)
+        step_rows = STEP_ROWS.get(extension().isa(), max_rows)
+        packed = [(name, PackedLinear(mod, blocks, max_rows, step_rows)) for name, mod, blocks in found
+                  if blocks is not None]
+        _warm({(p.kind, p.q.shape): p for _, p in packed}.values())
     except Exception as e:  # noqa: BLE001 - no C++ compiler or ninja, an unsupported platform: float32 matmuls
         log.warning("packed decode off: the kernel did not build (%s); decode steps use float32 matmuls", e)
         return {}
@@ -118,11 +130,12 @@ def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
 
 
 @torch.inference_mode()
-def _warm(linears, max_rows: int) -> None:
-    """Build the kernel, and check it against the float32 matmul on each weight shape, for one row and for several."""
+def _warm(linears) -> None:
+    """Build the kernel, and check it against the float32 matmul on each weight shape: decode steps of one row, of a
+    few (3: in registers on AVX2) and of more (5: AVX2's tiles)."""
     for p in linears:
-        for rows in sorted({1, min(3, max_rows)}):
-            x = torch.randn(rows, p.in_features)
+        for rows in (1, 3, 5):
+            x = torch.randn(rows, 1, p.in_features)
             got, want = p(x), F.linear(x, p.weight, p.bias)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
                 raise RuntimeError(f"the packed kernel differs from the float32 matmul on {tuple(p.q.shape)}")

@@ -8,14 +8,14 @@
 //
 // A weight row is read once per pass of up to ROWS input rows: each block of 32 is decoded into registers and
 // multiplied into every row of the pass, so a step reads 0.75 (Q4_1) or 1.25 (Q8_0) bytes a weight instead of
-// float32's 4, and the weight is never written out (but for AVX2's passes of more than 3 rows, below). The output
+// float32's 4, and the weight is never written out (but for AVX2's tiles of more than 3 rows, below). The output
 // rows split across the calling thread's torch threads.
 // Every (row, output) sums in the same order whatever M is (32 lane sums over the blocks, then a fixed halving tree),
 // so a request's numbers do not depend on what else is in its batch.
 //
 // Three builds of the same sums, by what -march=native offers: AVX-512 (the rows' sums in 32 registers of 16 lanes);
-// AVX2 with FMA (16 registers of 8 lanes: up to 3 rows in registers, and a pass of more rows decodes the weight row
-// once into a buffer that stays in L1); and portable code, which states the order plainly but which the service
+// AVX2 with FMA (16 registers of 8 lanes: up to 3 rows in registers, more rows in tiles of one lane group at a
+// time over weights decoded once into a buffer); and portable code, which states the order plainly but which the service
 // does not run (slower than torch's float32 matmul on an AVX2 CPU; service/runtime/native.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -83,8 +83,8 @@ inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 (16 vector registers of 8 lanes): a row's 32 lane sums take 4 registers, so at most 3 rows stay in registers
-// with the block's weights; a pass of more rows first decodes the weight row into a buffer (in L1) and runs over
-// it 3 rows at a time. The same sums in the same order as the AVX-512 and portable code.
+// with the block's weights (pass); more rows run in tiles (blocks_mm_tiled). The same sums in the same order as the
+// AVX-512 and portable code.
 constexpr int REG_ROWS = 3;
 
 template <bool Q4>
@@ -115,43 +115,103 @@ inline float halving_sum(const __m256 (&a)[4]) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
 }
 
-// R <= 3 rows on weights decoded in registers (w == nullptr) or read from the decoded weight row w [K]
+// R <= 3 rows, the block decoded in registers
 template <int R, bool Q4>
-inline void pass_regs(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
-                      const float* __restrict m, const float* __restrict w, float* __restrict out) {
+inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
+                 const float* __restrict m, float* __restrict out) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / G; ++b) {
     __m256 wb[4];
-    if (w) {
-      for (int j = 0; j < 4; ++j) wb[j] = _mm256_loadu_ps(w + b * G + 8 * j);
-    } else {
-      decode_regs<Q4>(q, b, d[b], m[b], wb);
-    }
+    decode_regs<Q4>(q, b, d[b], m[b], wb);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(wb[j], _mm256_loadu_ps(x + r * K + b * G + 8 * j), a[r][j]);
   }
   for (int r = 0; r < R; ++r) out[r] = halving_sum(a[r]);
 }
 
-template <int R, bool Q4>
-inline void pass(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict d,
-                 const float* __restrict m, float* __restrict out) {
-  if constexpr (R <= REG_ROWS) {
-    pass_regs<R, Q4>(x, K, q, d, m, nullptr, out);
-  } else {
-    thread_local std::vector<float> row;  // the weight row, decoded once for every 3 rows of the pass
-    if (int64_t(row.size()) < K) row.resize(K);
-    float* w = row.data();
+// More than 3 rows: tiles. A row's 32 lane sums are four independent sums of 8 lanes (lanes 0-7, 8-15, 16-23,
+// 24-31), so they can run one lane group at a time, each still over the blocks in order: the same sums as `pass`,
+// bitwise. One lane group of a tile of TILE_R input rows x TILE_N output rows is 12 sums in 12 registers beside the
+// tile's 3 weights, where 3 rows' 32 lanes fill 12 registers with one output row. The weights of TILE_N output
+// rows are decoded once into a buffer and the input copied once, both laid out by lane group (group j of a row: its
+// values 32b + 8j .. 32b + 8j + 7, b = 0, 1, ...), so a lane group's pass reads them contiguously. The linears of a
+// step of the embedded model, weights from memory (bench/kernels.py --before): 8 rows 1.1-1.2x, 16 rows 1.4x the
+// decoded-row passes this replaced (docs/BENCHMARKS.md, "Packed decode").
+constexpr int TILE_R = 4, TILE_N = 3;
+
+// row [K] -> out [4][K/4]: lane group j, block b at out[j * K/4 + 8b]
+inline void by_lane_group(const float* __restrict row, int64_t K, float* __restrict out) {
+  for (int64_t b = 0; b < K / G; ++b)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + j * (K / 4) + b * 8, _mm256_loadu_ps(row + b * G + 8 * j));
+}
+
+template <bool Q4>
+inline void decode_by_lane_group(const uint8_t* __restrict q, const float* __restrict d, const float* __restrict m,
+                                 int64_t K, float* __restrict out) {
+  for (int64_t b = 0; b < K / G; ++b) {
+    __m256 wb[4];
+    decode_regs<Q4>(q, b, d[b], m[b], wb);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + j * (K / 4) + b * 8, wb[j]);
+  }
+}
+
+// y[r, n] (y [., N] from the tile's first row and output) for R input rows (xg [R][4][K/4], rows K apart) x NN
+// output rows (wg [NN][4][K/4]): each lane group's sums over the blocks in order, then the 32 lanes' halving sum
+template <int R, int NN>
+inline void tile(const float* __restrict xg, const float* __restrict wg, int64_t K, int64_t N, float* __restrict y) {
+  __m256 sums[R][NN][4];
+  for (int j = 0; j < 4; ++j) {
+    const float* xj = xg + j * (K / 4);
+    const float* wj = wg + j * (K / 4);
+    __m256 acc[R][NN];
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NN; ++n) acc[r][n] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / G; ++b) {
-      __m256 wb[4];
-      decode_regs<Q4>(q, b, d[b], m[b], wb);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + b * G + 8 * j, wb[j]);
+      __m256 w[NN];
+      for (int n = 0; n < NN; ++n) w[n] = _mm256_loadu_ps(wj + n * K + b * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(xj + r * K + b * 8);
+        for (int n = 0; n < NN; ++n) acc[r][n] = _mm256_fmadd_ps(w[n], xv, acc[r][n]);
+      }
     }
-    int r0 = 0;
-    for (; r0 + REG_ROWS <= R; r0 += REG_ROWS) pass_regs<REG_ROWS, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
-    if constexpr (R % REG_ROWS == 1) pass_regs<1, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
-    if constexpr (R % REG_ROWS == 2) pass_regs<2, Q4>(x + r0 * K, K, q, d, m, w, out + r0);
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NN; ++n) sums[r][n][j] = acc[r][n];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NN; ++n) y[r * N + n] = halving_sum(sums[r][n]);
+}
+
+template <int NN>
+void tiles(const float* __restrict xg, int64_t M, int64_t K, const float* __restrict wg, int64_t N,
+           float* __restrict y) {
+  int64_t r0 = 0;
+  for (; r0 + TILE_R <= M; r0 += TILE_R) tile<TILE_R, NN>(xg + r0 * K, wg, K, N, y + r0 * N);
+  switch (M - r0) {
+    case 3: tile<3, NN>(xg + r0 * K, wg, K, N, y + r0 * N); break;
+    case 2: tile<2, NN>(xg + r0 * K, wg, K, N, y + r0 * N); break;
+    case 1: tile<1, NN>(xg + r0 * K, wg, K, N, y + r0 * N); break;
+  }
+}
+
+template <bool Q4>
+void blocks_mm_tiled(const float* __restrict x, int64_t M, int64_t K, int64_t N, const uint8_t* __restrict q,
+                     int64_t row_bytes, const float* __restrict d, const float* __restrict m, float* __restrict y,
+                     int threads) {
+  std::vector<float> xg(M * K);
+  for (int64_t r = 0; r < M; ++r) by_lane_group(x + r * K, K, xg.data() + r * K);
+  const int64_t groups = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    thread_local std::vector<float> wg;
+    if (int64_t(wg.size()) < TILE_N * K) wg.resize(TILE_N * K);
+    const int64_t n0 = g * TILE_N, nn = std::min<int64_t>(TILE_N, N - n0);
+    for (int64_t n = 0; n < nn; ++n)
+      decode_by_lane_group<Q4>(q + (n0 + n) * row_bytes, d + (n0 + n) * (K / G), m + (n0 + n) * (K / G), K,
+                               wg.data() + n * K);
+    if (nn == 3) tiles<3>(xg.data(), M, K, wg.data(), N, y + n0);
+    else if (nn == 2) tiles<2>(xg.data(), M, K, wg.data(), N, y + n0);
+    else tiles<1>(xg.data(), M, K, wg.data(), N, y + n0);
   }
 }
 #else
@@ -221,6 +281,12 @@ at::Tensor blocks_mm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, boo
   // library's own copy of ATen's per-thread setup, which resets the thread to torch's process-wide count (the
   // serving engine's thread keeps its own; service/runtime/threads.py)
   const int threads = at::get_num_threads();
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (M > REG_ROWS) {
+    (q4 ? blocks_mm_tiled<true> : blocks_mm_tiled<false>)(xp, M, K, N, qp, row_bytes, dp, mp, yp, threads);
+    return y;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float out[ROWS];

@@ -77,15 +77,32 @@ def test_few_rows_match_float32_and_many_rows_are_the_matmul(bias):
         assert torch.equal(p(x), lin(x))  # past max_rows: the float32 matmul itself
 
 
-def test_a_row_does_not_depend_on_the_row_count():
-    lin = _linear()
-    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8)
+@pytest.mark.parametrize("n", [96, 97, 98])  # AVX2's tiles take 3 output rows: none, 1 or 2 left over
+def test_a_row_does_not_depend_on_the_row_count(n):
+    lin = _linear(n=n)
+    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8, step_rows=16)
     torch.manual_seed(3)
-    x = torch.randn(8, lin.in_features)
+    x = torch.randn(16, 1, lin.in_features)  # a decode step of 16 rows
     with torch.inference_mode():
         whole = p(x)
-        for rows in range(1, 8):  # every pass shape (AVX2: up to 3 rows in registers, more on a decoded row)
+        torch.testing.assert_close(whole, lin(x), rtol=1e-5, atol=1e-5)
+        for rows in range(1, 16):  # every pass shape (AVX2: up to 3 rows in registers, tiles of 4 beyond)
             assert torch.equal(p(x[:rows].contiguous()), whole[:rows])
+
+
+def test_only_a_decode_step_is_packed_past_max_rows():
+    """Up to step_rows rows of one token each (a decode batch's step) run on the blocks; any other input of more
+    than max_rows rows (a prefill chunk, a burst's tails) is the float32 matmul itself, as a prompt prefilled whole."""
+    lin = _linear()
+    p = PackedLinear(lin, recover_blocks(lin.weight), max_rows=8, step_rows=16)
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        step, tails = torch.randn(12, 1, lin.in_features), torch.randn(3, 4, lin.in_features)
+        assert torch.equal(p(step)[5], p(step[5:6])[0])  # the kernel: a row as it is alone
+        assert not torch.equal(p(step), lin(step))
+        assert torch.equal(p(tails), lin(tails))
+        past = torch.randn(17, 1, lin.in_features)
+        assert torch.equal(p(past), lin(past))
 
 
 @pytest.mark.parametrize("fmt", [_q4_1, _q8_0])
@@ -144,6 +161,32 @@ def test_a_block_quantized_model_decodes_as_before():
         for a, b in zip(c1.layers, c2.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
+
+
+def test_a_batch_past_max_rows_decodes_each_row_as_alone():
+    """A decode step of 12 rows (more than max_rows, within the kernel's step_rows) runs on the blocks: every row's
+    logits are bitwise those it gets decoded alone, so a request's tokens do not depend on its batch."""
+    _, fast = _block_runtime()
+    pack_linears(fast.model)
+    assert all(m.step_rows >= 12 for m in fast.model.modules() if isinstance(m, PackedLinear))
+    prompts = [random_ids(5 + 3 * i, seed=40 + i) for i in range(12)]
+
+    def decode(group):
+        batch, toks, out = DecodeBatch(fast), [], []
+        for p in group:
+            c = new_cache(fast.model.config)
+            toks.append(int(fast.forward(p, 0, c).argmax()))
+            batch.join(c, 64, rows=len(group))
+        for _ in range(3):
+            logits = batch.step(toks)
+            out.append(logits)
+            toks = logits.argmax(-1).tolist()
+        return torch.stack(out, 1)  # [B, steps, V]
+
+    with torch.inference_mode():
+        together = decode(prompts)
+        for i in (0, 5, 11):
+            assert torch.equal(together[i], decode(prompts[i:i + 1])[0])
 
 def test_random_weights_are_left_alone():
     rt = tiny_runtime("llama")
