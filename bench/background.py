@@ -19,7 +19,8 @@ the p90 is a prefill higher with or without background work; --think-ms, a rando
 makes the phase drift, and lets background work also run when both clients pause); how long the new skill's
 calibration took (registration answered -> `GET /v1/skills/{name}` shows its calibration, polled every 0.25 s);
 how long the repeated order's refinement took (the request that made it wanted -> the first request of the order served
-from the exact prefix); the background share of the engine's busy time over the load.
+from the exact prefix); the background share of the engine's busy time over the load; and where the CPU went over
+the load: the service's CPU seconds by thread (bench/cpu.py; names from py-spy where installed) and this client's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+import cpu
 from common import stream_compose, write_json
 from service.devserver import ROOT, ServiceProcess
 
@@ -81,17 +83,19 @@ async def settle(c: httpx.AsyncClient, limit_s: float = 300.0) -> None:
         await asyncio.sleep(0.5)
 
 
-async def load(url: str, args, seed: int, calibrating: bool) -> dict:
+async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
     rng = random.Random(seed)
     rows: list[dict] = []
     events: dict = {}
-    stop = time.perf_counter() + args.duration_s
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         await ask(c, REPEATED[:1], "warm up", 4)
         if calibrating:
             await settle(c)
         m0 = counters((await c.get("/metrics")).text)
-        t0 = time.perf_counter()
+        cpu0, client0, t0 = cpu.snapshot(pid), time.process_time(), time.perf_counter()
+        stop = t0 + args.duration_s  # from here: the on arm's settling above took 30-40 s of the load before
+        spy = cpu.profile(pid, args.duration_s, f"{args.profile}/{'on' if calibrating else 'off'}.txt") \
+            if args.profile else None
         seen = {"n": 0}
 
         async def client(k: int) -> None:
@@ -127,6 +131,10 @@ async def load(url: str, args, seed: int, calibrating: bool) -> dict:
 
         await asyncio.gather(register(), *[client(k) for k in range(args.clients)])
         m1 = counters((await c.get("/metrics")).text)
+        wall, client_s, cpu1 = time.perf_counter() - t0, time.process_time() - client0, cpu.snapshot(pid)
+        if spy is not None:
+            spy.wait()
+    used = {"wall_s": wall, "client_s": client_s, **cpu.by_thread(cpu0, cpu1, cpu.thread_names(pid))}
     ttfts = [r["ttft_s"] for r in rows]
     busy_bg = m1["busy_background"] - m0["busy_background"]
     busy = busy_bg + m1["busy_live"] - m0["busy_live"]
@@ -135,18 +143,22 @@ async def load(url: str, args, seed: int, calibrating: bool) -> dict:
         return events[b] - events[a] if a in events and b in events else None
 
     windows = [[r["ttft_s"] for r in rows if w <= r["t"] < w + 30] for w in range(0, int(args.duration_s), 30)]
-    return {"requests": len(rows), "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": p90(ttfts),
+    return {"requests": len(rows), "requests_per_s": len(rows) / wall, "live_engine_s_per_request":
+            (busy - busy_bg) / max(1, len(rows)), "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": p90(ttfts),
             "ttft_p90_by_30s": [p90(w) if w else None for w in windows],
             "calibration_s": took("registered_at", "calibrated_at"),
             "refinement_s": took("wanted_at", "refined_served_at"),
             "repeated_exact": sum(1 for r in rows if r["repeated"] and r["prefix_tokens"]),
             "repeated": sum(1 for r in rows if r["repeated"]), "refined_prefixes": m1["refined"] - m0["refined"],
-            "background_share": busy_bg / busy if busy else 0.0, "rows": rows}
+            "background_share": busy_bg / busy if busy else 0.0, "busy_s": busy, "busy_background_s": busy_bg,
+            "cpu": used, "rows": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="run in this order; an arm named more than once is pooled over its runs (off on on off: a "
+                    "drift of the machine's speed over the runs weighs on both arms alike)")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--duration-s", type=float, default=90.0)
     ap.add_argument("--register-at-s", type=float, default=15.0)
@@ -155,11 +167,13 @@ def main() -> None:
                     "response (0: back to back)")
     ap.add_argument("--refine-after", type=int, default=1, help="the service's SKILLCACHE_REFINE_AFTER (on arm)")
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for the on arm")
+    ap.add_argument("--profile", metavar="DIR", help="also sample the service's threads with py-spy over the load "
+                    "(DIR/on.txt, DIR/off.txt, the arm's last run: py-spy's raw format, a line per stack and its count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args()
-    out = {"args": vars(args), "arms": {}}
-    for arm in args.arms:
+    out = {"args": vars(args), "runs": [], "arms": {}}
+    for i, arm in enumerate(args.arms):
         env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), **(OFF if arm == "off" else {})}
         if arm == "on":
             env["SKILLCACHE_REFINE_AFTER"] = str(args.refine_after)
@@ -167,23 +181,46 @@ def main() -> None:
         svc = ServiceProcess(Path(tempfile.mkdtemp(prefix=f"skillcache-bg-{arm}-")), env, threads=None).start()
         try:
             svc.wait_ready(600)
-            res = asyncio.run(load(svc.url, args, args.seed, calibrating=arm == "on"))
+            res = asyncio.run(load(svc.url, svc.proc.pid, args, args.seed + args.arms[:i].count(arm),
+                                   calibrating=arm == "on"))  # an arm's k-th run: the other's k-th's orders
             res["log_tail"] = svc.log_tail(20000)
         finally:
             svc.stop()
-        out["arms"][arm] = res
+        out["runs"].append({"arm": arm, **res})
         cal, ref = res["calibration_s"], res["refinement_s"]
-        print(f"{arm:3s}: {res['requests']} requests, TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, "
+        print(f"{arm:3s}: {res['requests']} requests ({res['requests_per_s']:.2f}/s, live engine time "
+              f"{res['live_engine_s_per_request'] * 1e3:.0f} ms each), TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, "
               f"p90 {res['ttft_p90_s'] * 1e3:.0f} ms; new skill calibrated after "
               f"{'-' if cal is None else f'{cal:.1f} s'}; repeated order refined after "
               f"{'-' if ref is None else f'{ref:.1f} s'} ({res['repeated_exact']}/{res['repeated']} served exact); "
               f"background share {res['background_share']:.1%}", flush=True)
         print("     TTFT p90 by 30 s of load: " + " ".join("-" if x is None else f"{x * 1e3:.0f}"
                                                        for x in res["ttft_p90_by_30s"]) + " ms", flush=True)
+        u = res["cpu"]
+        print(f"     CPU over the {u['wall_s']:.0f} s of load: service {u['total_s']:.1f} s ("
+              + ", ".join(f"{k} {v:.1f}" for k, v in u["by_thread_s"].items())
+              + f"), this client {u['client_s']:.1f} s; "
+              f"engine busy {res['busy_s']:.1f} s, of it background {res['busy_background_s']:.1f} s; "
+              f"{u['minor_faults'] / max(1, res['requests']):,.0f} page faults a request", flush=True)
+    for arm in dict.fromkeys(args.arms):  # an arm run more than once (--arms off on on off): its runs pooled
+        runs = [r for r in out["runs"] if r["arm"] == arm]
+        ttfts = [row["ttft_s"] for r in runs for row in r["rows"]]
+        wall, busy = sum(r["cpu"]["wall_s"] for r in runs), sum(r["busy_s"] for r in runs)
+        bg, n = sum(r["busy_background_s"] for r in runs), sum(r["requests"] for r in runs)
+        out["arms"][arm] = {"runs": len(runs), "requests": n, "requests_per_s": n / wall, "ttft_p50_s":
+                            statistics.median(ttfts), "ttft_p90_s": p90(ttfts), "background_share": bg / busy,
+                            "live_engine_s_per_request": (busy - bg) / n}
+        a = out["arms"][arm]
+        if len(runs) > 1:
+            print(f"{arm:3s}, {len(runs)} runs pooled: {a['requests_per_s']:.2f} requests/s, live engine time "
+                  f"{a['live_engine_s_per_request'] * 1e3:.0f} ms each, TTFT p50 {a['ttft_p50_s'] * 1e3:.0f} ms, p90 "
+                  f"{a['ttft_p90_s'] * 1e3:.0f} ms, background share {a['background_share']:.1%}", flush=True)
     if "on" in out["arms"] and "off" in out["arms"]:
-        rise = out["arms"]["on"]["ttft_p90_s"] / out["arms"]["off"]["ttft_p90_s"] - 1
-        out["p90_rise"] = rise
-        print(f"live p90 first token, background on vs off: {rise:+.1%}", flush=True)
+        on, off = out["arms"]["on"], out["arms"]["off"]
+        out["p90_rise"] = rise = on["ttft_p90_s"] / off["ttft_p90_s"] - 1
+        print(f"background on vs off: live p90 first token {rise:+.1%}, requests/s "
+              f"{on['requests_per_s'] / off['requests_per_s'] - 1:+.1%}, live engine time a request "
+              f"{on['live_engine_s_per_request'] / off['live_engine_s_per_request'] - 1:+.1%}", flush=True)
     write_json(args.json, out)
 
 

@@ -15,8 +15,8 @@
 //
 // Three builds of the same sums, by what -march=native offers: AVX-512 (the rows' sums in 32 registers of 16 lanes);
 // AVX2 with FMA (16 registers of 8 lanes: up to 3 rows in registers, more rows in tiles of one lane group at a
-// time over weights decoded once into a buffer); and portable code, which states the order plainly but which the service
-// does not run (slower than torch's float32 matmul on an AVX2 CPU; service/runtime/native.py).
+// time over weights decoded once into a buffer); and portable code, which states the order plainly but which the
+// service does not run (slower than torch's float32 matmul on an AVX2 CPU; service/runtime/native.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -1,0 +1,47 @@
+"""bench/cpu.py: a process's CPU seconds by thread over a window, read from /proc, on this test's own process."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from embedded_model import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import cpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_busy_thread_gets_its_cpu_seconds_and_the_rest_count_in_the_total():
+    pid = os.getpid()
+    busy = threading.Thread(target=lambda: (_spin(0.3), time.sleep(1.0)), name="burner")
+    before = cpu.snapshot(pid)
+    busy.start()
+    time.sleep(0.6)  # the burner has spun and sleeps, alive
+    names = {busy.native_id: "burner", threading.main_thread().native_id: "MainThread"}
+    split = cpu.by_thread(before, cpu.snapshot(pid), names)
+    busy.join()
+    assert 0.25 <= split["by_thread_s"]["burner"] <= 0.6
+    assert split["total_s"] >= sum(split["by_thread_s"].values()) - 0.05
+    assert split["minor_faults"] >= 0
+
+
+def test_an_ended_thread_counts_in_the_total_only():
+    pid = os.getpid()
+    before = cpu.snapshot(pid)
+    t = threading.Thread(target=_spin, args=(0.3,), name="gone")
+    t.start()
+    t.join()
+    split = cpu.by_thread(before, cpu.snapshot(pid), {})
+    assert "gone" not in split["by_thread_s"]
+    assert split["by_thread_s"]["ended"] >= 0.25
