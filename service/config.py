@@ -41,10 +41,6 @@ class Settings(BaseSettings):
                                   "each row reads its own copy, for A/B")
     home: Path = Field(Path("~/.cache/skillcache").expanduser(), description="model cache and disk store")
     model_cache: Path | None = Field(None, description="converted models (default <home>/models)")
-    malloc_keep_freed: bool = Field(True, description="glibc's malloc keeps freed memory for the next request's "
-                                    "caches instead of trimming it back to the OS (service/runtime/allocator.py: "
-                                    "after background work, live requests' caches came from fresh pages, +22% "
-                                    "engine time a request); false: glibc's defaults")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads of the model's thread (every other "
                                "thread gets one); 0: one per CPU this process may run on. Set it to the cores this "
                                "replica really has when several share a machine")

@@ -29,11 +29,6 @@ def build_runtime(settings: Settings):
         if resolve_device(settings.device).type == "cpu" and (why := bfloat16_slow()):  # it runs: a warning
             what = "SKILLCACHE_QUANTIZATION=int8" if settings.quantization == "int8" else "SKILLCACHE_DTYPE=bfloat16"
             log.warning("%s: %s", what, why)
-    if settings.malloc_keep_freed:
-        from service.runtime.allocator import keep_freed_memory
-
-        if not keep_freed_memory():
-            log.info("SKILLCACHE_MALLOC_KEEP_FREED: this C library has no glibc mallopt; its malloc as it is")
     digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
     loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
     loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it
