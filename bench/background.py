@@ -168,10 +168,13 @@ def main() -> None:
     ap.add_argument("--refine-after", type=int, default=1, help="the service's SKILLCACHE_REFINE_AFTER (on arm)")
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for the on arm")
     ap.add_argument("--profile", metavar="DIR", help="also sample the service's threads with py-spy over the load "
-                    "(DIR/on.txt, DIR/off.txt, the arm's last run: py-spy's raw format, a line per stack and its count)")
+                    "(DIR/on.txt, DIR/off.txt, the arm's last run: py-spy's raw format, a line per stack and its "
+                    "count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.profile and cpu.py_spy() is None:
+        ap.error("--profile samples with py-spy: pip install py-spy")
     out = {"args": vars(args), "runs": [], "arms": {}}
     for i, arm in enumerate(args.arms):
         env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), **(OFF if arm == "off" else {})}

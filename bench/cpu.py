@@ -17,9 +17,16 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def py_spy() -> str | None:
+    """py-spy on PATH or beside this Python (a venv's bin), else None."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return exe if Path(exe).exists() else None
 
 
 def _seconds(stat: str) -> float:
@@ -42,8 +49,8 @@ def snapshot(pid: int) -> dict:
 
 def thread_names(pid: int) -> dict[int, str]:
     """{tid: Python thread name} from `py-spy dump` ({} without py-spy, or when it cannot attach)."""
-    exe = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
-    if not Path(exe).exists():
+    exe = py_spy()
+    if exe is None:
         return {}
     try:
         out = subprocess.run([exe, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
@@ -63,14 +70,17 @@ def by_thread(a: dict, b: dict, names: dict[int, str]) -> dict:
     total = b["total"] - a["total"]
     out["ended"] = max(0.0, total - sum(out.values()))
     ranked = sorted(out.items(), key=lambda kv: -kv[1])
-    return {"total_s": total, "minor_faults": b["faults"] - a["faults"], "by_thread_s": {k: round(v, 2) for k, v in ranked}}
+    return {"total_s": total, "minor_faults": b["faults"] - a["faults"],
+            "by_thread_s": {k: round(v, 2) for k, v in ranked}}
 
 
 def profile(pid: int, seconds: float, out: str) -> subprocess.Popen:
     """py-spy sampling `pid`'s Python threads for `seconds` (25 a second, without pausing it) into `out`, py-spy's raw
     format: one line per distinct stack, thread name first, then its sample count."""
+    exe = py_spy()
+    if exe is None:
+        raise SystemExit("--profile samples with py-spy: pip install py-spy")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
     return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "25",
                              "--format", "raw", "--threads", "--nonblocking", "--output", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
