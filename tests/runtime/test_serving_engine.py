@@ -2,6 +2,7 @@
 the KV budget, cancellation and the background share."""
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -260,6 +261,59 @@ async def test_under_load_background_steps_leave_a_new_request_and_the_moment_af
         during = [t for t in starts if t_sub + 0.01 < t < t_end + 0.3]
         assert during == [], (t_end - t_sub, [t - t_sub for t in during])
         assert any(t > t_end + 0.6 for t in starts)  # quiet again: background steps resume
+        await stream.aclose()
+        bg.cancel_event.set()
+    finally:
+        eng.stop()
+
+
+async def test_a_request_that_arrives_during_a_decode_step_prefills_before_any_background_slice(rt):
+    """A request submitted while a decode forward runs is in the queue when that step's background turn comes: it
+    is admitted and prefilled next, even when the share would allow a background slice in a step that is not
+    quiet (a slice gives way only to arrivals after it starts, so it would hold this one for its whole length)."""
+    eng = await _engine(rt, max_running=4, background_share=1.0, background_idle_s=0.0)
+    events: list[str] = []
+    loop = asyncio.get_running_loop()
+    submitted = asyncio.Event()
+    jobs = []
+
+    def bg_steps():
+        while True:
+            events.append("background")
+            yield 1
+
+    def short_steps(ids):
+        events.append("prefill")
+        return (yield from rt.prefill_steps(_plan(ids), [], mode="full"))
+
+    def submit_short():
+        ids = random_ids(9, seed=2)
+        jobs.append(eng.submit_sequence(short_steps(ids), GenParams(max_tokens=2), len(ids)))
+        submitted.set()
+
+    try:
+        long = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
+        stream = long.stream()
+        await anext(stream)
+        bg = eng.submit_steps(bg_steps(), background=True)
+        await asyncio.sleep(0.3)  # background slices run between decode steps
+        step, done = eng.batch.step, threading.Event()
+
+        def step_submitting(tokens):  # on the engine thread: the request arrives during this forward
+            out = step(tokens)
+            eng.batch.step = step
+            loop.call_soon_threadsafe(submit_short)
+            loop.call_soon_threadsafe(done.set)  # after submit_short: the request is queued once this is set
+            done.wait(5)
+            events.append("arrived")
+            return out
+
+        eng.batch.step = step_submitting
+        await asyncio.wait_for(submitted.wait(), 5)
+        short = await _collect(jobs[0])
+        assert isinstance(short[-1], Done)
+        after = events[events.index("arrived") + 1:]
+        assert after and after[0] == "prefill", after[:5]
         await stream.aclose()
         bg.cancel_event.set()
     finally:

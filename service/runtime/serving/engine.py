@@ -9,7 +9,9 @@ runtime/preempt.py): a request that arrives while one runs (~250 ms at 2.4k toke
 layer, not the whole step, and under load a step runs at most a 50 ms slice at a time. On an idle engine background
 work still waits `background_idle_s` after the last live step, and under load a step within `background_idle_s` of a
 request's end is not quiet (scheduler.next_background): the moments right after a response are when its client's
-next request comes (docs/BENCHMARKS.md, "Background work under load").
+next request comes (docs/BENCHMARKS.md, "Background work under load"). Live work that arrives during a step's
+forwards is admitted before that step's background turn, which then does not run: a slice gives way only to arrivals
+after it starts, so it would hold that request for its whole length.
 """
 
 from __future__ import annotations
@@ -202,7 +204,10 @@ class ServingEngine(SequenceStarts):
         quiet = not (self.sched.waiting or self.sched.active) and \
             time.monotonic() - self._t_end >= self.config.background_idle_s
         bg_s = 0.0
-        work = self.sched.next_background(live_pending, quiet, self.bg.work)
+        # live work that arrived during this step's forwards and can start now: its prefill is next, not a background
+        # slice (a slice runs until the next arrival, and this one came before it)
+        arrived = self.sched.admit(self._fits)
+        work = None if arrived else self.sched.next_background(live_pending, quiet, self.bg.work)
         if work is not None:
             t1, n = time.perf_counter(), self._arrivals
             self.bg.advance(work, lambda: self._arrivals != n, SLICE_S if live_pending else None)

@@ -75,9 +75,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self.running or (self.background and not self.background_paused))
 
-    def admit(self, fits: Callable[[SequenceWork], bool]) -> None:
+    def admit(self, fits: Callable[[SequenceWork], bool]) -> int:
         """Move work from the head of the queue to `active` while the sequence count and `fits` (the KV budget)
-        allow. Strict arrival order: a sequence that does not fit yet holds back those behind it."""
+        allow; how many moved. Strict arrival order: a sequence that does not fit yet holds back those behind it."""
+        n = 0
         with self.lock:
             while self.waiting:
                 w = self.waiting[0]
@@ -85,8 +86,10 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.active.append(w)
+                n += 1
                 metrics.QUEUE_WAIT.observe(time.monotonic() - w.t_submit)
             metrics.QUEUE_DEPTH.set(len(self.waiting))
+        return n
 
     def prefill_budget(self) -> int:
         """Tokens live prefill work may run this step (at least one step of it always runs)."""
