@@ -21,6 +21,15 @@ calibration took (registration answered -> `GET /v1/skills/{name}` shows its cal
 how long the repeated order's refinement took (the request that made it wanted -> the first request of the order served
 from the exact prefix); the background share of the engine's busy time over the load; and where the CPU went over
 the load: the service's CPU seconds by thread (bench/cpu.py; names from py-spy where installed) and this client's.
+
+**alternate** (`--arms alternate`): one service as on (launched by bench/serve_switch.py, which adds a route that
+pauses its background work), whose background work is paused and resumed every --switch-s of the load, on first.
+Separate services differ in speed by 10-20% here whatever their settings (the box drifts, and two off arms of one
+pooled run have read 33 and 40 ms a decode step), which a 25% criterion on a p90 cannot see through; within one
+service both states share the process and the minutes. Reported by state: the first-token p50/p90 of the requests
+sent and answered within one window, the engine's live time a request and the background share over its windows
+(the share runs above the setting for a while after each resume: the scheduler's window remembers the paused
+stretch as live time only). Work queued while paused waits, so calibration and refinement take about twice as long.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import asyncio
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,10 +93,13 @@ async def settle(c: httpx.AsyncClient, limit_s: float = 300.0) -> None:
         await asyncio.sleep(0.5)
 
 
-async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
+async def load(url: str, pid: int, args, seed: int, calibrating: bool, switch_s: float | None = None) -> dict:
+    """switch_s: the `alternate` arm, background work paused and resumed every switch_s of the load."""
     rng = random.Random(seed)
     rows: list[dict] = []
     events: dict = {}
+    state = {"paused": False, "switches": 0}  # the alternate arm's background switch, as the clients see it
+    windows: list[dict] = []  # the alternate arm's: {"paused", "m": counters at its start}, then one at the end
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         await ask(c, REPEATED[:1], "warm up", 4)
         if calibrating:
@@ -103,8 +116,10 @@ async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
             while time.perf_counter() < stop:
                 repeated = i % 3 == 0
                 order = list(REPEATED) if repeated else rng.sample(ALL_SKILLS, 3)
+                paused, switches = state["paused"], state["switches"]
                 r = await ask(c, order, TURNS[i % len(TURNS)], args.max_tokens)
-                r.update(repeated=repeated, t=r["t_end"] - t0)
+                r.update(repeated=repeated, t=r["t_end"] - t0, paused=paused,
+                         spans_switch=state["switches"] != switches)
                 rows.append(r)
                 if args.think_ms:  # a random pause: the clients' relative phase drifts instead of locking
                     await asyncio.sleep(rng.uniform(0, args.think_ms) / 1e3)
@@ -129,9 +144,22 @@ async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
                     return
                 await asyncio.sleep(0.25)
 
-        await asyncio.gather(register(), *[client(k) for k in range(args.clients)])
+        async def switch() -> None:  # background on for the first window, then off, on, ...
+            paused = False
+            while time.perf_counter() < stop:
+                await c.post("/bench/background", json={"paused": paused})
+                windows.append({"paused": paused, "m": counters((await c.get("/metrics")).text)})
+                state.update(paused=paused, switches=state["switches"] + 1)
+                await asyncio.sleep(min(switch_s, max(0.0, stop - time.perf_counter())))
+                paused = not paused
+            windows.append({"paused": None, "m": counters((await c.get("/metrics")).text)})  # the load's end
+            await c.post("/bench/background", json={"paused": False})  # the calibration may finish after it
+
+        registering = asyncio.create_task(register())  # may wait past the load for the calibration
+        await asyncio.gather(*[client(k) for k in range(args.clients)], *([switch()] if switch_s else []))
         m1 = counters((await c.get("/metrics")).text)
         wall, client_s, cpu1 = time.perf_counter() - t0, time.process_time() - client0, cpu.snapshot(pid)
+        await registering
         if spy is not None:
             spy.wait()
     used = {"wall_s": wall, "client_s": client_s, **cpu.by_thread(cpu0, cpu1, cpu.thread_names(pid))}
@@ -142,10 +170,11 @@ async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
     def took(a: str, b: str) -> float | None:
         return events[b] - events[a] if a in events and b in events else None
 
-    windows = [[r["ttft_s"] for r in rows if w <= r["t"] < w + 30] for w in range(0, int(args.duration_s), 30)]
-    return {"requests": len(rows), "requests_per_s": len(rows) / wall, "live_engine_s_per_request":
+    by_30s = [[r["ttft_s"] for r in rows if w <= r["t"] < w + 30] for w in range(0, int(args.duration_s), 30)]
+    return {**({"switched": switched(rows, windows)} if switch_s else {}),
+            "requests": len(rows), "requests_per_s": len(rows) / wall, "live_engine_s_per_request":
             (busy - busy_bg) / max(1, len(rows)), "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": p90(ttfts),
-            "ttft_p90_by_30s": [p90(w) if w else None for w in windows],
+            "ttft_p90_by_30s": [p90(w) if w else None for w in by_30s],
             "calibration_s": took("registered_at", "calibrated_at"),
             "refinement_s": took("wanted_at", "refined_served_at"),
             "repeated_exact": sum(1 for r in rows if r["repeated"] and r["prefix_tokens"]),
@@ -154,11 +183,43 @@ async def load(url: str, pid: int, args, seed: int, calibrating: bool) -> dict:
             "cpu": used, "rows": rows}
 
 
+def switched(rows: list[dict], windows: list[dict]) -> dict:
+    """The alternate arm by the switch's state: requests sent and answered within one window of it, their
+    first-token p50/p90, and the engine's busy time (live a request, and the background share) over its windows."""
+    out = {}
+    for paused in (False, True):
+        ttfts = [r["ttft_s"] for r in rows if r["paused"] == paused and not r["spans_switch"]]
+        spans = [(w["m"], windows[i + 1]["m"]) for i, w in enumerate(windows[:-1]) if w["paused"] == paused]
+        live = sum(b["busy_live"] - a["busy_live"] for a, b in spans)
+        bg = sum(b["busy_background"] - a["busy_background"] for a, b in spans)
+        n = sum(1 for r in rows if r["paused"] == paused)
+        out["off" if paused else "on"] = {"windows": len(spans), "ttfts": ttfts, "answered": n, "live_s": live,
+                                          "background_s": bg}
+    return out
+
+
+def by_switch(runs: list[dict]) -> dict:
+    """The alternate arm's runs pooled by the switch's state; and the on windows' p90 against the off windows'."""
+    out: dict = {}
+    for state in ("on", "off"):
+        parts = [r["switched"][state] for r in runs]
+        ttfts = [t for p in parts for t in p["ttfts"]]
+        live, bg = sum(p["live_s"] for p in parts), sum(p["background_s"] for p in parts)
+        out[state] = {"windows": sum(p["windows"] for p in parts), "requests": len(ttfts),
+                      "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": p90(ttfts),
+                      "live_engine_s_per_request": live / max(1, sum(p["answered"] for p in parts)),
+                      "background_share": bg / (live + bg) if live + bg else 0.0}
+    out["p90_rise"] = out["on"]["ttft_p90_s"] / out["off"]["ttft_p90_s"] - 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"],
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "alternate"],
                     help="run in this order; an arm named more than once is pooled over its runs (off on on off: a "
-                    "drift of the machine's speed over the runs weighs on both arms alike)")
+                    "drift of the machine's speed over the runs weighs on both arms alike); alternate: one service "
+                    "as on, its background work paused and resumed every --switch-s of the load")
+    ap.add_argument("--switch-s", type=float, default=20.0, help="the alternate arm's window")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--duration-s", type=float, default=90.0)
     ap.add_argument("--register-at-s", type=float, default=15.0)
@@ -178,14 +239,17 @@ def main() -> None:
     out = {"args": vars(args), "runs": [], "arms": {}}
     for i, arm in enumerate(args.arms):
         env = {"SKILLCACHE_SKILLS_DIR": str(ROOT / "skills"), **(OFF if arm == "off" else {})}
-        if arm == "on":
+        if arm != "off":
             env["SKILLCACHE_REFINE_AFTER"] = str(args.refine_after)
             env.update(kv.split("=", 1) for kv in args.server_env)
-        svc = ServiceProcess(Path(tempfile.mkdtemp(prefix=f"skillcache-bg-{arm}-")), env, threads=None).start()
+        command = [sys.executable, str(ROOT / "bench" / "serve_switch.py")] if arm == "alternate" else None
+        svc = ServiceProcess(Path(tempfile.mkdtemp(prefix=f"skillcache-bg-{arm}-")), env, threads=None,
+                             command=command).start()
         try:
             svc.wait_ready(600)
             res = asyncio.run(load(svc.url, svc.proc.pid, args, args.seed + args.arms[:i].count(arm),
-                                   calibrating=arm == "on"))  # an arm's k-th run: the other's k-th's orders
+                                   calibrating=arm != "off",  # an arm's k-th run: the other's k-th's orders
+                                   switch_s=args.switch_s if arm == "alternate" else None))
             res["log_tail"] = svc.log_tail(20000)
         finally:
             svc.stop()
@@ -218,6 +282,17 @@ def main() -> None:
             print(f"{arm:3s}, {len(runs)} runs pooled: {a['requests_per_s']:.2f} requests/s, live engine time "
                   f"{a['live_engine_s_per_request'] * 1e3:.0f} ms each, TTFT p50 {a['ttft_p50_s'] * 1e3:.0f} ms, p90 "
                   f"{a['ttft_p90_s'] * 1e3:.0f} ms, background share {a['background_share']:.1%}", flush=True)
+    if "alternate" in out["arms"]:
+        out["arms"]["alternate"]["by_switch"] = sw = by_switch([r for r in out["runs"] if r["arm"] == "alternate"])
+        for state in ("on", "off"):
+            a = sw[state]
+            print(f"alternate, background {state:3s}: {a['windows']} windows, {a['requests']} requests within one, "
+                  f"TTFT p50 {a['ttft_p50_s'] * 1e3:.0f} ms, p90 {a['ttft_p90_s'] * 1e3:.0f} ms; live engine time "
+                  f"{a['live_engine_s_per_request'] * 1e3:.0f} ms a request, background share "
+                  f"{a['background_share']:.1%}", flush=True)
+        live = sw["on"]["live_engine_s_per_request"] / sw["off"]["live_engine_s_per_request"] - 1
+        print(f"alternate, one service: live p90 first token {sw['p90_rise']:+.1%} with background work on, live "
+              f"engine time a request {live:+.1%}", flush=True)
     if "on" in out["arms"] and "off" in out["arms"]:
         on, off = out["arms"]["on"], out["arms"]["off"]
         out["p90_rise"] = rise = on["ttft_p90_s"] / off["ttft_p90_s"] - 1

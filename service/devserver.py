@@ -38,12 +38,14 @@ def caller_home() -> Path:
 
 class ServiceProcess:
     def __init__(self, home: Path, env: dict[str, str] | None = None, *, name: str = "service",
-                 threads: int | None = 1, root: Path = ROOT) -> None:
+                 threads: int | None = 1, root: Path = ROOT, command: list[str] | None = None) -> None:
         """`env`: SKILLCACHE_* settings (and anything else) for the process, over the defaults below.
         `threads`: torch intra-op threads (OMP_NUM_THREADS); one by default, since several processes
         share two cores in CI and torch's one-per-core default thrashes there. None: torch decides.
-        `root`: the source tree to run (a checkout of another commit, for a side-by-side benchmark)."""
+        `root`: the source tree to run (a checkout of another commit, for a side-by-side benchmark).
+        `command`: what to run instead of `python -m service` (a launcher that takes --port, from `root`)."""
         self.name, self.home, self.root = name, Path(home), Path(root)
+        self.command = command or [sys.executable, "-m", "service"]
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -69,7 +71,7 @@ class ServiceProcess:
         with open(self.log_path, "a") as log:
             log.write(f"\n=== start {self.starts} ===\n")
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port)], cwd=self.root,
+            self.proc = subprocess.Popen([*self.command, "--port", str(self.port)], cwd=self.root,
                                          env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.t_start = time.monotonic()
         return self
