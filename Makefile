@@ -4,13 +4,17 @@ PORT ?= 8000
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-fast screenshot bench clean
+.PHONY: install run run-vllm test test-fast screenshot clean
 
 install:
 	@scripts/install.sh $(VENV)
 
 run: install
 	$(PY) -m service --host $(HOST) --port $(PORT)
+
+# skillcache in front of vLLM's CPU build (its own venv, .venv-vllm, installed on first use; vLLM on a free port)
+run-vllm:
+	@HOST=$(HOST) PORT=$(PORT) VENV=$(VENV) scripts/run-vllm.sh
 
 test: install
 	@scripts/ensure-redis.sh || echo "note: redis-server unavailable; Redis tests will be skipped"

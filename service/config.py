@@ -45,6 +45,23 @@ class Settings(BaseSettings):
                                "thread gets one); 0: one per CPU this process may run on. Set it to the cores this "
                                "replica really has when several share a machine")
 
+    # engine (service/engines/): who runs the prompt after composition
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded", description="embedded: this process's model thread (make run); vllm: a vLLM server runs the "
+        "model, loading each composed head through skillcache's KV connector (make run-vllm, docs/OPERATIONS.md "
+        "'vLLM engine'). Composition still runs here, on the same weights")
+    vllm_url: str = Field("http://127.0.0.1:8100", description="the vLLM server's base URL (engine=vllm)")
+    vllm_model: str | None = Field(None, description="the model name vLLM serves; unset: the first of its /v1/models")
+    vllm_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the dtype vLLM runs in (its --dtype; make run-vllm passes this): heads are published "
+        "in it. float32 by default: vLLM's CPU default, bfloat16, ran a 2.3k-token prefill 4-5x slower than float32 "
+        "on an AVX2-only CPU (docs/BENCHMARKS.md, 'vLLM engine')")
+    vllm_heads_dir: Path = Field(Path("/dev/shm/skillcache-heads"), description="where composed heads are published "
+                                 "for the connector: a tmpfs both processes see (the connector's heads_dir)")
+    vllm_head_pool_bytes: int = Field(1024**3, ge=64 * 1024**2, description="the head pool's size, allocated once "
+                                      "(a 2.4k-token head of the embedded model in float32 is ~110 MB)")
+    vllm_timeout_s: float = Field(300.0, gt=0, description="a whole vLLM request, connect to last token")
+
     # store
     store: Literal["disk", "redis", "memory"] = "disk"
     redis_url: str = "redis://127.0.0.1:6379/0"

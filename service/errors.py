@@ -110,3 +110,19 @@ class ModelLoadError(ServiceError):
 
 class StoreFailure(ServiceError):
     status, error_type = 503, "store_unavailable"
+
+
+class EngineUnavailable(ServiceError):
+    """The engine that runs the model (a vLLM server, SKILLCACHE_ENGINE=vllm) cannot be reached or broke off."""
+
+    status, error_type = 503, "engine_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class NotOnEngine(ServiceError):
+    """A feature the configured engine does not serve yet (e.g. sessions on SKILLCACHE_ENGINE=vllm)."""
+
+    status, error_type = 501, "not_supported_on_engine"

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service import metrics
 from service.config import Settings
-from service.errors import NotReady, ServiceError
+from service.errors import NotOnEngine, NotReady, ServiceError
 from service.compose.pipeline import ComposePipeline
 from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
@@ -75,6 +76,10 @@ class AppState:
                 self.settings.max_skill_tokens, rt.max_positions,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.engine)
+            if self.settings.engine == "vllm":
+                from service.engines.vllm import VllmEngine
+
+                self.pipeline.use_engine(VllmEngine(self.settings, rt, self.engine))
             self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine)
             self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()
@@ -113,6 +118,9 @@ class AppState:
 
     def require_sessions(self) -> SessionManager:
         self.require_pipeline()
+        if self.settings.engine != "embedded":  # a session holds its cache on this process's engine
+            raise NotOnEngine("sessions are not served on SKILLCACHE_ENGINE=vllm yet: send each turn to "
+                              "/v1/chat/completions with the whole conversation (vLLM's prefix cache reuses it)")
         return self.sessions
 
     def require_memories(self):
@@ -138,14 +146,21 @@ class AppState:
             "definitions": "ok" if definitions_ok else "down",
             "skills_preloaded": self.preload,
             "error": self.load_error,
+            "engine": self.settings.engine,
         }
+        engine_ok = True
+        if self.pipeline is not None:
+            engine_ok = await self.pipeline.runner.health()
+            metrics.ENGINE_UP.set(1 if engine_ok else 0)
+            if not engine_ok:
+                details["engine"] = f"{self.settings.engine}: down ({self.settings.vllm_url} does not answer /health)"
         # Redis down after it was up: known skills are served from the read-through cache
         # (store/definitions_cache.py), so stay in rotation rather than take every replica out at once.
         cached = not definitions_ok and getattr(self.definitions, "serves_when_down", False) \
             and getattr(self.definitions, "was_up", False)
         if cached:
             details["definitions"] = "down: serving cached definitions; registration and deletes fail until it is back"
-        return self.ready and (definitions_ok or cached), details
+        return self.ready and engine_ok and (definitions_ok or cached), details
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -153,6 +168,8 @@ class AppState:
         if self.sessions is not None:
             self.sessions.saved.stop_sweeper()
             await self.sessions.drain()
+        if self.pipeline is not None:
+            await self.pipeline.runner.close()
         self.engine.stop()
         await self.store.close()
         await self.definitions.close()

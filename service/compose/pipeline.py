@@ -7,7 +7,6 @@ become ordinary error responses instead of broken streams.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -21,13 +20,13 @@ from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
 from service.compose.tooluse import ToolsPrep, check_block_size
+from service.engines.embedded import EmbeddedEngine
 from service.kv.block import LAYOUT_VERSION
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
 from service.store.key import BlockKey
 from service.store.tiered import TieredStore
-from service.tools.events import parsed
 from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
@@ -99,6 +98,11 @@ class ComposePipeline:
         self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store,
                                      self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
+        self.runner = EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard)  # AppState may swap it
+
+    def use_engine(self, runner) -> None:
+        """Run prepared requests on `runner` (service/engines/) instead of this process's serving engine."""
+        self.runner = runner
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once on the engine) and where it came from.
@@ -204,55 +208,17 @@ class ComposePipeline:
         return tools
 
     async def start(self, prep: Prepared) -> AsyncIterator[Delta | Final]:
-        """Submit to the engine and wait for the first event; returns the event stream."""
-        box: dict = {}
-        donate = await self.refiner.wanted(prep.params.namespace, prep.plan) if prep.mode == "full" else 0
-        loop = asyncio.get_running_loop()
+        """Run the prepared request on the engine (service/engines/) and wait for its first event; returns the event
+        stream. Errors before the first token (prefill, an engine that is down) raise here, before any byte is sent."""
+        return await self.runner.start(prep, self.finish)
 
-        def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
-            box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
-            box["pre"] = pre
-            if donate:  # its K/V through a head refinement wants are that head's exact prefix
-                from service.kv.cache import block_from_cache
-
-                block = block_from_cache(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
-                coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
-                loop.call_soon_threadsafe(self.guard.spawn, coro)
-
-        # the text tail is left to the engine (run together with other requests' tails), unless a tool opening
-        # continues the prefill after it
-        steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
-                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens,
-                                      defer_tail=prep.tools is None)
-        n_prompt = prep.plan.n_tokens
-        if prep.tools is not None:
-            steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()
-        job = self.engine.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled)
-        stream = job.stream()
-        first = await anext(stream)  # prefill errors surface here, before any byte is sent
-        events = self._events(prep, first, stream, box, prep.mode)
-        parser = prep.tools.parser() if prep.tools is not None else None  # after the prefill: its choice made
-        return parsed(events, parser) if parser is not None else events
-
-    async def _events(self, prep: Prepared, first, stream, box, mode) -> AsyncIterator[Delta | Final]:
-        item = first
-        while True:
-            if isinstance(item, Done):
-                yield self._final(prep, item, box, mode)
-                if mode == "compose":  # after the response: never on the sampled request's clock
-                    if prep.params.late is None:  # a shadow check is the skills': a memory's is bench/memory.py
-                        self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
-                    self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
-                return
-            yield item
-            item = await anext(stream)
-
-    def _final(self, prep: Prepared, done: Done, box: dict, mode: str) -> Final:
-        pre: PrefillResult = box["pre"]
+    def finish(self, prep: Prepared, done: Done, pre: "PrefillResult", ttft_ms: float) -> Final:
+        """The last event of a request, from what its engine reports (pre: its prefill's counts and timings)."""
+        mode = prep.mode
         total_ms = (time.perf_counter() - prep.t_start) * 1e3
-        metrics.TTFT.labels(mode).observe(box["ttft_ms"] / 1e3)
+        metrics.TTFT.labels(mode).observe(ttft_ms / 1e3)
         metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
-        metrics.STAGE.labels("decode").observe((total_ms - box["ttft_ms"]) / 1e3)
+        metrics.STAGE.labels("decode").observe((total_ms - ttft_ms) / 1e3)
         segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
         in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
         fresh = prep.tools.copied_fresh(pre, in_prefix) if prep.tools is not None else 0
@@ -266,7 +232,7 @@ class ComposePipeline:
             "completion_tokens": len(done.token_ids),
         }
         timings = {
-            "ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
+            "ttft_ms": round(ttft_ms, 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
             "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
         }
         skills = [  # seam: what was recomputed (0 for a first skill copied as is); None unless composed

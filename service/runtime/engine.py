@@ -251,6 +251,7 @@ class ModelRuntime:
     def prefill_steps(
         self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
         prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0, defer_tail: bool = False,
+        tail_limit: int = DEFERRED_TAIL_TOKENS,
     ) -> Steps:
         """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
         forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
@@ -263,8 +264,9 @@ class ModelRuntime:
         `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
         copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
         decode), so its buffers are allocated once. `defer_tail` (compose): a last text run of at most
-        DEFERRED_TAIL_TOKENS is not run: the result's `tail` holds it and `logits` is None (the serving engine runs
-        the tails of requests that compose in the same step as one forward, service/kv/batch_tail.py).
+        `tail_limit` (default DEFERRED_TAIL_TOKENS) is not run: the result's `tail` holds it and `logits` is None (the
+        serving engine runs the tails of requests that compose in the same step as one forward, service/kv/batch_tail.py;
+        the vLLM engine leaves the whole tail to vLLM).
         """
         t0 = time.perf_counter()
         cache = new_cache(self.model.config, reserve_tokens=max(reserve_tokens, plan.n_tokens))
@@ -319,7 +321,7 @@ class ModelRuntime:
                 pos, cursor = start + e, max(cursor, e)
         if not pending:
             raise InvalidRequest("internal: the prompt must end with text after the last skill")
-        deferred = defer_tail and len(pending) <= DEFERRED_TAIL_TOKENS
+        deferred = defer_tail and len(pending) <= tail_limit
         t1 = time.perf_counter()
         logits = None if deferred else (yield from self.forward_steps(pending, pos - len(pending), cache, chunk))
         t_tail = time.perf_counter() - t1

@@ -1,0 +1,9 @@
+"""Engines: who runs a prepared request. `compose/` and `sessions/` hand one a Prepared and get events back.
+
+Both implement the same small interface:
+    async start(prep, finish) -> AsyncIterator[Delta | Final]   first event awaited: errors before it raise
+    async health() -> bool                                       the engine answers (readiness)
+    async close()
+embedded  service/engines/embedded.py: this process's serving engine (make run)
+vllm      service/engines/vllm.py: a vLLM server, fed composed heads through service/vllm/connector.py
+"""

@@ -1,0 +1,81 @@
+"""EmbeddedEngine: a prepared request runs on this process's serving engine (service/runtime/serving).
+
+The prompt's cache is built by the runtime's prefill steps (composition, or the full prefill), the text tail and
+decode run batched with other requests. Refinement is this engine's: an order composed often enough is prefilled
+exactly in the background (service/compose/refine.py) and served as an exact prefix from then on; a request that runs
+in full donates its K/V to a refinement that wants it. Shadow checks (service/compose/guard.py) compare composed
+and full logits after the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from service.runtime.params import Delta, Done
+from service.tools.events import parsed
+
+if TYPE_CHECKING:
+    from service.compose.pipeline import Final, Prepared
+    from service.runtime.engine import PrefillResult
+
+
+class EmbeddedEngine:
+    def __init__(self, settings, runtime, serving, refiner, guard) -> None:
+        self.settings = settings
+        self.rt = runtime
+        self.serving = serving
+        self.refiner = refiner
+        self.guard = guard
+
+    async def health(self) -> bool:
+        return True  # the model thread is this process: /livez covers it
+
+    async def close(self) -> None:
+        return None
+
+    async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
+        """Submit to the serving engine and wait for the first event; returns the event stream."""
+        box: dict = {}
+        donate = await self.refiner.wanted(prep.params.namespace, prep.plan) if prep.mode == "full" else 0
+        loop = asyncio.get_running_loop()
+
+        def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
+            box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
+            box["pre"] = pre
+            if donate:  # its K/V through a head refinement wants are that head's exact prefix
+                from service.kv.cache import block_from_cache
+
+                block = block_from_cache(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
+                coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
+                loop.call_soon_threadsafe(self.guard.spawn, coro)
+
+        # the text tail is left to the engine (run together with other requests' tails), unless a tool opening
+        # continues the prefill after it
+        steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
+                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens,
+                                      defer_tail=prep.tools is None)
+        n_prompt = prep.plan.n_tokens
+        if prep.tools is not None:
+            steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()
+        job = self.serving.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled)
+        stream = job.stream()
+        first = await anext(stream)  # prefill errors surface here, before any byte is sent
+        events = self._events(prep, first, stream, box, finish)
+        parser = prep.tools.parser() if prep.tools is not None else None  # after the prefill: its choice made
+        return parsed(events, parser) if parser is not None else events
+
+    async def _events(self, prep: "Prepared", first, stream, box, finish) -> AsyncIterator["Delta | Final"]:
+        item = first
+        while True:
+            if isinstance(item, Done):
+                yield finish(prep, item, box["pre"], box["ttft_ms"])
+                if prep.mode == "compose":  # after the response: never on the sampled request's clock
+                    if prep.params.late is None:  # a shadow check is the skills': a memory's is bench/memory.py
+                        self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
+                    self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
+                return
+            yield item
+            item = await anext(stream)

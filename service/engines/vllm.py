@@ -1,0 +1,171 @@
+"""VllmEngine: a prepared request runs on a vLLM server; skillcache composes its head and relays the stream.
+
+compose, an order not yet refined: the head (every prompt token up to the last block's end: the anchor, the blocks
+re-rotated, their seams and the text between them recomputed here on the same weights) is published to the head
+pool (service/vllm/heads.py) once per distinct composition and named in the request; vLLM's connector loads it and
+vLLM computes only the text after it. The salt `approx:<namespace>:<digest of the composition>` keeps those
+approximate K/V in vLLM's prefix cache for the same composition only: a repeat of it hits there (and reloads at
+most the head's last partial block from the pool), and no exact request, no other tenant and no other composition
+ever reads them.
+compose, an order seen SKILLCACHE_REFINE_AFTER times before, and mode=full: no head; the salt `exact:<namespace>`,
+so vLLM computes the prompt itself once and its own prefix cache serves the exact head from then on (refinement,
+without a second copy of it here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from service import metrics
+from service.errors import NotOnEngine
+from service.runtime.params import Delta, Done
+from service.vllm.client import Usage, VllmClient
+from service.vllm.heads import HeadWriter, Layout
+
+if TYPE_CHECKING:
+    from service.compose.pipeline import Final, Prepared
+
+log = logging.getLogger(__name__)
+HEAD_TAIL = 1 << 30  # prefill_steps(tail_limit=): the whole text after the last block is vLLM's
+
+
+def exact_salt(namespace: str) -> str:
+    return f"exact:{namespace}"
+
+
+def approx_salt(namespace: str, digest: str) -> str:
+    return f"approx:{namespace}:{digest}"
+
+
+def head_digest(fingerprint: str, namespace: str, plan, head_n: int, seams: list[int]) -> str:
+    """What fixes a composed head's K/V: the model, the ids, which spans are blocks, their seams and edited spans."""
+    segs = [(s.kind, len(s.ids), sorted(map(list, getattr(s, "recompute", []) or []))) for s in plan.segments]
+    raw = json.dumps([fingerprint, namespace, plan.ids[:head_n], segs, seams]).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def head_length(plan) -> int:
+    """Tokens up to the end of the last skill block (the text after it is computed by vLLM)."""
+    pos = end = 0
+    for seg in plan.segments:
+        pos += len(seg.ids)
+        if seg.kind == "skill":
+            end = pos
+    return end
+
+
+class VllmEngine:
+    def __init__(self, settings, runtime, serving_engine, client: VllmClient | None = None) -> None:
+        self.settings = settings
+        self.rt = runtime
+        self.serving = serving_engine  # the model thread: heads are composed there
+        self.client = client or VllmClient(settings.vllm_url, settings.vllm_model, settings.vllm_timeout_s)
+        self.layout = self._layout()
+        self.pool = HeadWriter(settings.vllm_heads_dir, settings.vllm_head_pool_bytes, runtime.fingerprint, self.layout)
+        self.refine_after = settings.refine_after
+        self._seen: OrderedDict[str, int] = OrderedDict()  # head digest -> compositions served (LRU, bounded)
+
+    def _layout(self) -> Layout:
+        c = self.rt.config
+        dtype = self.settings.vllm_dtype  # vLLM's cache dtype: the head is cast to it once, here
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return Layout(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                      head_dim, dtype)
+
+    def _count(self, digest: str) -> int:
+        n = self._seen.pop(digest, 0)
+        self._seen[digest] = n + 1
+        while len(self._seen) > 4096:
+            self._seen.popitem(last=False)
+        return n
+
+    async def health(self) -> bool:
+        return await self.client.health()
+
+    async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
+        """Compose the head (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)` builds the
+        Final (the pipeline's, shared with the embedded engine). Errors before the first token raise here."""
+        if prep.tools is not None or prep.params.late is not None:
+            raise NotOnEngine("tools and memories are not served on SKILLCACHE_ENGINE=vllm yet; use the embedded "
+                              "engine for them")
+        from service.runtime.engine import PrefillResult
+
+        plan, ns = prep.plan, prep.params.namespace
+        h = head_length(plan) if prep.mode == "compose" else 0
+        ref, salt, t_head, n_reused = None, exact_salt(ns), 0.0, 0  # n_reused: head tokens published
+        pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
+        if h:
+            digest = head_digest(self.rt.fingerprint, ns, plan, h, prep.seams)
+            if self._count(digest) >= max(1, self.refine_after) and self.refine_after > 0:
+                pass  # refined: vLLM's exact prefix from now on (computed by it once, then its prefix cache)
+            else:
+                salt = approx_salt(ns, digest)
+                ref = self.pool.lookup(digest)
+                if ref is not None and not self.pool.acquire(ref):
+                    ref = None
+                t0 = time.perf_counter()
+                if ref is None:
+                    composed = await self.serving.run_steps(self.rt.prefill_steps(
+                        plan, prep.blocks, mode="compose", seam_tokens=prep.seams, chunk=self.settings.prefill_chunk_tokens,
+                        defer_tail=True, tail_limit=HEAD_TAIL))
+                    layers = composed.cache.layers
+                    ref = self.pool.publish(plan.ids[:h], [la.keys for la in layers], [la.values for la in layers],
+                                            digest)
+                    pre.n_reused, pre.seams = composed.n_reused, composed.seams
+                    metrics.VLLM_HEADS.labels("composed" if ref is not None else "no_room").inc()
+                else:
+                    metrics.VLLM_HEADS.labels("reused").inc()
+                t_head = (time.perf_counter() - t0) * 1e3
+                n_reused = h if ref is not None else 0
+        transfer = {"skillcache": ref.to_dict()} if ref is not None else None
+        usage = Usage()
+        stream = self.client.stream(plan.ids, prep.params.gen, salt, transfer, usage)
+        try:
+            first = await anext(stream)
+        except BaseException:
+            if ref is not None:
+                self.pool.release(ref)
+            await stream.aclose()
+            raise
+        ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
+        if ref is not None:
+            self.pool.release(ref)  # loaded: vLLM had it before its first token
+        pre.timings_ms["prefill_ms"] = t_head
+        return self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish)
+
+    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_reused: int,
+                      approx: bool, finish):
+        text, ids, reason, top, chunk = [], [], None, first.top_logprobs, first
+        try:
+            while True:
+                if chunk.text:
+                    yield Delta(chunk.text)
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+        finally:
+            await stream.aclose()
+        cached, n = usage.cached_tokens, prep.plan.n_tokens
+        if n_reused and cached < h:  # the connector did not load the head: vLLM computed it (nothing wrong served)
+            metrics.VLLM_HEADS.labels("rejected").inc()
+            log.warning("vLLM computed %d of the %d head tokens skillcache published", h - cached, h)
+        # what vLLM did not compute came from the head it loaded or its prefix cache: composed K/V under an approximate
+        # salt, exact K/V under the exact one
+        pre.n_reused, pre.n_prefix = (cached, 0) if approx else (0, cached)
+        pre.n_recomputed = n - cached
+        done = Done(reason or "stop", "".join(text), ids, top)
+        yield finish(prep, done, pre, ttft_ms)
+
+    async def close(self) -> None:
+        self.pool.close()
+        await self.client.close()

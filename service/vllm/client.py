@@ -1,0 +1,116 @@
+"""VllmClient: skillcache's side of a vLLM server, over its OpenAI-compatible HTTP API (no torch, no vllm).
+
+A request goes to /v1/completions as token ids (`prompt: [int]`), streamed, with `cache_salt` and, for a composed
+head, `kv_transfer_params` naming the head (service/vllm/connector.py reads it). Chunks come back as text deltas
+with their token ids (`return_token_ids`); the last carries usage, whose `prompt_tokens_details.cached_tokens`
+(vLLM started with --enable-prompt-tokens-details) counts the prompt tokens vLLM did not compute: its own prefix
+cache hits plus the tokens the connector loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from service.errors import EngineUnavailable, InvalidRequest
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    top_logprobs: list[tuple[str, float]] | None = None  # the first generated position's, when asked
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    raw: dict = field(default_factory=dict)
+
+
+class VllmClient:
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    async def served_model(self) -> str:
+        if self.model is None:
+            r = await self._get("/v1/models")
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def _get(self, path: str) -> httpx.Response:
+        try:
+            r = await self.http.get(path, timeout=5.0)
+            r.raise_for_status()
+            return r
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"vLLM at {self.base_url} is not answering ({type(e).__name__}: {e}); "
+                                    "check SKILLCACHE_VLLM_URL and that the server is up") from e
+
+    async def health(self) -> bool:
+        try:
+            await self._get("/health")
+            return True
+        except EngineUnavailable:
+            return False
+
+    async def metrics(self) -> str:
+        return (await self._get("/metrics")).text
+
+    async def stream(self, ids: list[int], gen, cache_salt: str | None, transfer: dict | None,
+                     usage: Usage) -> AsyncIterator[Chunk]:
+        """Generate after `ids`; yields chunks, fills `usage` at the end. Raises EngineUnavailable when vLLM cannot be
+        reached or the stream breaks off, InvalidRequest when vLLM refuses the request (400)."""
+        body = {"model": await self.served_model(), "prompt": ids, "max_tokens": gen.max_tokens,
+                "temperature": gen.temperature, "top_p": gen.top_p, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, "skip_special_tokens": True}
+        if gen.seed is not None:
+            body["seed"] = gen.seed
+        if gen.stop:
+            body["stop"] = list(gen.stop)
+        if gen.logprobs:
+            body["logprobs"] = gen.logprobs
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        if transfer:
+            body["kv_transfer_params"] = transfer
+        first = True
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code == 400:
+                    raise InvalidRequest(f"vLLM refused the request: {(await r.aread()).decode()[:500]}")
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        return
+                    obj = json.loads(data)
+                    if obj.get("usage"):
+                        u = obj["usage"]
+                        usage.raw = u
+                        usage.prompt_tokens = u.get("prompt_tokens", 0)
+                        usage.completion_tokens = u.get("completion_tokens", 0)
+                        usage.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    for ch in obj.get("choices") or []:
+                        top = None
+                        lp = ch.get("logprobs")
+                        if first and lp and lp.get("top_logprobs"):
+                            top = sorted(lp["top_logprobs"][0].items(), key=lambda kv: -kv[1])
+                        first = False
+                        yield Chunk(ch.get("text") or "", list(ch.get("token_ids") or []), ch.get("finish_reason"), top)
+            raise EngineUnavailable("vLLM's stream ended without [DONE]")
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"vLLM at {self.base_url} failed mid-request ({type(e).__name__}: {e})") from e
+
+    async def close(self) -> None:
+        await self.http.aclose()

@@ -1,0 +1,127 @@
+"""Start a vLLM server that loads skillcache's connector: one command line for `make run-vllm`, the tests and bench.
+
+    python -m service.vllm.launch [--port P] [--python .venv-vllm/bin/python] [--heads-dir D] [--dtype float32]
+
+serves the model skillcache is configured with (SKILLCACHE_MODEL; the embedded GGUF is converted once into the HF
+folder vLLM reads) under the name `skillcache`, float32 by default: the head skillcache composes on the same weights
+in float32 then loads bit for bit (vLLM's CPU default, bfloat16, rounds it: docs/OPERATIONS.md, "vLLM engine").
+vLLM runs in its own venv (scripts/install-vllm.sh); this module only builds its command and environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "skillcache"
+
+
+def model_dir(settings) -> Path:
+    """The HF folder of SKILLCACHE_MODEL: the embedded model or a .gguf converted once (as the service does)."""
+    from service.runtime.gguf import convert_gguf
+    from service.runtime.loader import gguf_source
+
+    src = gguf_source(settings.model)
+    if src is not None:
+        return convert_gguf(src, settings.models_dir, settings.home / "fingerprints.json")
+    path = Path(settings.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"vLLM serves a local HF folder or the embedded model here, not {settings.model!r}")
+    return path
+
+
+def connector_config(heads_dir: Path) -> str:
+    return json.dumps({"kv_connector": "SkillcacheConnector", "kv_connector_module_path": "service.vllm.connector",
+                       "kv_role": "kv_consumer", "kv_connector_extra_config": {"heads_dir": str(heads_dir)}})
+
+
+def command(model: Path, port: int, heads_dir: Path | None, python: Path = VLLM_PYTHON, dtype: str = "float32",
+            host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
+    """vLLM's OpenAI server; heads_dir None: vLLM alone (no connector), for the side-by-side benchmark."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+           SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype, "--enable-prompt-tokens-details",
+           "--disable-uvicorn-access-log"]
+    if heads_dir is not None:
+        cmd += ["--kv-transfer-config", connector_config(heads_dir)]
+    return cmd + list(extra or [])
+
+
+def environment(kv_cache_gib: int = 2, cores: str | None = None) -> dict[str, str]:
+    """The connector imported from this checkout; vLLM's CPU KV space and cores."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores or f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    return env
+
+
+class VllmProcess:
+    """A vLLM server as a subprocess, its output in `log`; stop() ends its whole process group."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.cmd, self.env, self.log = cmd, env, log
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "VllmProcess":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not ready within {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self, sig: int = 15) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+def main() -> None:
+    from service.config import Settings
+
+    ap = argparse.ArgumentParser(prog="python -m service.vllm.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--python", type=Path, default=VLLM_PYTHON)
+    ap.add_argument("--heads-dir", type=Path, default=None, help="default: SKILLCACHE_VLLM_HEADS_DIR")
+    ap.add_argument("--dtype", default=None, help="default: SKILLCACHE_VLLM_DTYPE (float32)")
+    ap.add_argument("--print-model-dir", action="store_true", help="convert if needed, print the folder, exit")
+    args, extra = ap.parse_known_args()
+    settings = Settings()
+    model = model_dir(settings)
+    if args.print_model_dir:
+        print(model)
+        return
+    cmd = command(model, args.port, args.heads_dir or settings.vllm_heads_dir, args.python,
+                  args.dtype or settings.vllm_dtype, extra=extra)
+    os.execve(cmd[0], cmd, environment())  # replaces this process: signals reach vLLM directly
+
+
+if __name__ == "__main__":
+    sys.exit(main())
