@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare the GPU benchmark's carry folder .gpu/ (git-ignored), here, before a device run:
-#   - wheels of what the device image lacks or has in another version (the versions of this .venv),
+#   - wheels of what the device image lacks or has in another version (the versions of this .venv; greenlet:
+#     service/runtime/preempt.py, which bench/decode.py's DecodeBatch imports),
 #     built for its Python 3.12 on x86-64 (/work/.library/device/README.md, "Notes");
 #   - the embedded model's tokenizer files (the random-weight 8B models need ids, not the GGUF).
 # Then, with the device tool:  run(command="bash bench/gpu/run.sh", carry=[".gpu"], timeout_s=600)
@@ -11,7 +12,7 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/tokenizer
 specs=$($PY - <<'PYEOF'
 from importlib.metadata import version
 names = ["transformers", "pydantic", "pydantic-core", "pydantic-settings", "annotated-types",
-         "typing-inspection", "python-dotenv", "typing-extensions", "regex"]
+         "typing-inspection", "python-dotenv", "typing-extensions", "regex", "greenlet"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PYEOF
 )
