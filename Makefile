@@ -19,6 +19,7 @@ run-vllm:
 test: install
 	@scripts/ensure-redis.sh || echo "note: redis-server unavailable; Redis tests will be skipped"
 	@scripts/ensure-chromium.sh || echo "note: chromium unavailable; the playground's browser test will be skipped"
+	@scripts/install-vllm.sh || echo "note: vLLM's CPU build unavailable; the vLLM engine's tests will be skipped"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install

@@ -3,6 +3,7 @@
     python bench/peers.py --json bench/out/peers.json --png docs/img/peers.png   # builds llama-server once
     python bench/peers.py --quick --arms a b                                       # a short check
     python bench/peers.py --engines skillcache --quick --arms a                    # no llama.cpp (the smoke test)
+    python bench/peers.py --vllm                 # the vLLM arm instead: vLLM alone, skillcache on vLLM, embedded
 
 The same model (the embedded SmolLM2-135M-Instruct: llama.cpp serves its Q4_1 GGUF, skillcache the same weights
 dequantized to float32) and token-identical prompts: 3 shipped skills in the system turn, in --orders orders,
@@ -31,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -251,6 +253,10 @@ def _interrupt(*_) -> None:
 
 
 def main() -> None:
+    if "--vllm" in sys.argv[1:]:  # the vLLM arm: vLLM alone, skillcache on vLLM, the embedded engine (peers_vllm.py)
+        from peers_vllm import main as vllm_main
+
+        return vllm_main([a for a in sys.argv[1:] if a != "--vllm"])
     args = parse_args()
     if args.url and httpx.URL(args.url).host not in LOOPBACK:
         raise SystemExit(f"--url must be a loopback address (got {args.url})")
