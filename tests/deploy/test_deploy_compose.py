@@ -1,19 +1,28 @@
-"""docker-compose.yml (+ docker-compose.gpu.yml): parsed as YAML always; `docker compose config` when a Compose v2
-CLI is available (it validates against the Compose spec and merges the override without a Docker daemon)."""
+"""docker-compose.yml (+ docker-compose.gpu.yml, docker-compose.vllm.yml): parsed as YAML always; `docker compose
+config` when a Compose CLI is available (it validates against the Compose spec and merges the overrides without a
+Docker daemon): a Compose v2 CLI, or Debian's docker-compose 1.29 (`apt-get install docker-compose`). Without one
+the config tests skip, unless SKILLCACHE_REQUIRE_COMPOSE=1 (then they fail)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy_helpers import REPO, load_yaml, parse_duration
 
 BASE = load_yaml(REPO / "docker-compose.yml")
 GPU = load_yaml(REPO / "docker-compose.gpu.yml")
+VLLM = load_yaml(REPO / "docker-compose.vllm.yml")
+REQUIRE_ENV = "SKILLCACHE_REQUIRE_COMPOSE"
 
 
 def test_redis_service():
@@ -63,29 +72,88 @@ def test_gpu_override():
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
 
 
-def _compose_cli() -> list[str] | None:
+def _compose_cli() -> tuple[list[str], int] | None:
+    """The Compose CLI and its major version: `docker compose` (v2), else a docker-compose binary (v2 or 1.29)."""
     docker = shutil.which("docker")
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
+        return [docker, "compose"], 2
     legacy = shutil.which("docker-compose")
     if legacy:
         out = subprocess.run([legacy, "version", "--short"], capture_output=True, text=True).stdout.strip()
-        if out.lstrip("v").startswith("2"):
-            return [legacy]
+        version = tuple(int(x) for x in re.findall(r"\d+", out)[:2])
+        if version and version[0] >= 2:
+            return [legacy], 2
+        if version >= (1, 28):  # the Compose spec (no `version:`), profiles, `deploy.resources` devices
+            return [legacy], 1
     return None
 
 
-def _config(*files: str) -> dict:
+def _cli_or_skip() -> tuple[list[str], int]:
     cli = _compose_cli()
     if not cli:
-        pytest.skip("no Docker Compose v2 CLI (`docker compose` plugin or docker-compose v2 binary)")
-    args = [a for f in files for a in ("-f", f)]
-    proc = subprocess.run(
-        [*cli, "--env-file", os.devnull, *args, "config", "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SKILLCACHE_"))},
-    )
+        why = "no Docker Compose CLI (`docker compose` plugin, or docker-compose: apt-get install docker-compose)"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{why}, and {REQUIRE_ENV}=1")
+        pytest.skip(why)
+    return cli
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The files' defaults only: none of this shell's compose variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SKILLCACHE_", "VLLM_"))}
+    return {**env, **(extra or {})}
+
+
+def _v1_port(spec: str) -> dict:
+    """docker-compose 1.29's "127.0.0.1:8000:8000/tcp" in v2's long form."""
+    spec, _, protocol = spec.partition("/")
+    *host, target = spec.split(":")
+    host_ip, published = (host + [""])[:2] if len(host) == 2 else ("", host[0] if host else "")
+    return {"host_ip": host_ip, "published": published, "target": int(target), "protocol": protocol or "tcp"}
+
+
+def _v1_volume(spec: str) -> dict:
+    """docker-compose 1.29's "source:target:mode" in v2's long form."""
+    source, target, *mode = spec.split(":")
+    kind = "bind" if source.startswith(("/", ".")) else "volume"
+    return {"type": kind, "source": source, "target": target, "read_only": mode == ["ro"]}
+
+
+def _config(*files: str, env: dict[str, str] | None = None) -> dict:
+    """`config` of the files merged, in Compose v2's JSON shape (docker-compose 1.29's output is normalized to it)."""
+    cli, major = _cli_or_skip()
+    if major == 2:
+        args = [a for f in files for a in ("-f", f)]
+        proc = subprocess.run(
+            [*cli, "--env-file", os.devnull, *args, "config", "--format", "json"], cwd=REPO, capture_output=True,
+            text=True, timeout=60, env=_env(env),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+    # 1.29 predates the spec's top-level `name:` (v2 reads the project name from it): it gets copies without it
+    # and the same name on its command line; paths still resolve against the repository (--project-directory).
+    with tempfile.TemporaryDirectory() as tmp:
+        args = []
+        for f in files:
+            doc = load_yaml(REPO / f)
+            assert doc.pop("name", "skillcache") == "skillcache"
+            copy = Path(tmp) / Path(f).name
+            copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+            args += ["-f", str(copy)]
+        empty = Path(tmp) / "empty.env"
+        empty.write_text("")
+        proc = subprocess.run(
+            [*cli, "--project-directory", str(REPO), "--project-name", "skillcache", "--env-file", str(empty), *args,
+             "config"], cwd=REPO, capture_output=True, text=True, timeout=60, env=_env(env),
+        )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    cfg = yaml.safe_load(proc.stdout)
+    for service in cfg["services"].values():
+        service["ports"] = [_v1_port(p) for p in service.get("ports", [])]
+        service["volumes"] = [_v1_volume(v) for v in service.get("volumes", [])]
+        if isinstance(service.get("depends_on"), list):
+            service["depends_on"] = {name: {"condition": "service_started"} for name in service["depends_on"]}
+    return cfg
 
 
 def test_compose_config_cpu():
@@ -112,3 +180,140 @@ def test_compose_config_gpu():
     assert app["environment"]["SKILLCACHE_STORE"] == "redis"
     assert app["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "healthcheck" in app and app["volumes"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM as the engine: docker-compose.vllm.yml
+
+
+def _connector_config(args: list[str]) -> dict:
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def test_vllm_override():
+    from service.vllm.launch import SERVED_NAME, connector_config
+
+    assert set(VLLM["services"]) == {"skillcache", "vllm"}
+    vllm = VLLM["services"]["vllm"]
+    assert re.fullmatch(r"vllm/vllm-openai:\$\{VLLM_IMAGE_TAG:-v\d+\.\d+\.\d+\}", vllm["image"]), vllm["image"]
+    assert "profiles" not in vllm, "the override is the switch: a profile too would allow skillcache without vLLM"
+    # the command line of service/vllm/launch.py: the connector, the served name, the dtype skillcache publishes in
+    args = [str(a) for a in vllm["command"]]
+    assert _connector_config(args) == json.loads(connector_config(Path("/heads")))
+    assert _connector_config(args)["kv_connector_module_path"] == "service.vllm.connector"
+    assert args[args.index("--served-model-name") + 1] == SERVED_NAME
+    assert "--enable-prompt-tokens-details" in args
+    assert args[args.index("--port") + 1] == "8000"
+    entry = vllm["entrypoint"]
+    assert entry[:2] == ["/bin/sh", "-c"] and "exec python3 -m vllm.entrypoints.openai.api_server" in entry[2]
+    assert '"$$@"' in entry[2], "the command list reaches vLLM as its arguments"
+    assert "/data/models/*/config.json" in entry[2], "waits for the model skillcache converts"
+
+    # one variable for both dtypes
+    app = VLLM["services"]["skillcache"]
+    env = app["environment"]
+    assert args[args.index("--dtype") + 1] == env["SKILLCACHE_VLLM_DTYPE"] == "${SKILLCACHE_VLLM_DTYPE:-float32}"
+    assert env["SKILLCACHE_ENGINE"] == "vllm"
+    assert env["SKILLCACHE_VLLM_URL"] == "http://vllm:8000"
+    assert env["SKILLCACHE_VLLM_MODEL"] == SERVED_NAME
+    assert env["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
+
+    # the heads: one memory-backed named volume in both containers; vLLM reads it, the connector, and the model
+    heads = VLLM["volumes"]["heads"]["driver_opts"]
+    assert heads["type"] == "tmpfs" and heads["device"] == "tmpfs" and "size=" in heads["o"]
+    assert "heads:/heads" in app["volumes"]
+    mounts = vllm["volumes"]
+    assert "heads:/heads:ro" in mounts
+    assert "./service:/opt/skillcache/service:ro" in mounts and vllm["environment"]["PYTHONPATH"] == "/opt/skillcache"
+    assert f"skillcache-data:{BASE['services']['skillcache']['environment']['SKILLCACHE_HOME']}:ro" in mounts
+    assert "skillcache-data" in BASE["volumes"]
+
+    assert "ports" not in vllm, "vLLM's API has no keys: it stays on the compose network"
+    assert vllm["deploy"] == GPU["services"]["skillcache"]["deploy"], "one GPU reserved, as in the GPU override"
+    assert "/health" in vllm["healthcheck"]["test"][-1]
+    compile(vllm["healthcheck"]["test"][-1], "<healthcheck>", "exec")
+
+
+def test_vllm_override_connector_files_exist():
+    """What vLLM imports from the mounted folder (only torch and vllm besides)."""
+    for f in ("__init__.py", "vllm/__init__.py", "vllm/heads.py", "vllm/connector.py"):
+        assert (REPO / "service" / f).is_file(), f
+    for f in ("vllm/heads.py", "vllm/connector.py"):
+        imports = re.findall(r"^(?:from|import) (\w+)", (REPO / "service" / f).read_text(), re.M)
+        assert set(imports) <= {"__future__", "json", "mmap", "os", "threading", "warnings", "zlib", "dataclasses",
+                                "pathlib", "typing", "logging", "torch", "vllm", "service"}, (f, imports)
+
+
+def test_vllm_override_names_only_real_settings():
+    from service.config import Settings
+
+    known = {f"SKILLCACHE_{name.upper()}" for name in Settings.model_fields}
+    named = set(re.findall(r"\bSKILLCACHE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / "docker-compose.vllm.yml").read_text()))
+    assert named and named <= known, sorted(named - known)
+
+
+def test_vllm_override_yamllint():
+    probe = subprocess.run([sys.executable, "-m", "yamllint", "--version"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("yamllint not installed (pip install yamllint)")
+    config = ("{extends: default, rules: {line-length: {max: 120}, document-start: disable, "
+              "truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}")
+    proc = subprocess.run([sys.executable, "-m", "yamllint", "-f", "parsable", "-d", config,
+                           "docker-compose.vllm.yml"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_config_vllm():
+    cfg = _config("docker-compose.yml", "docker-compose.vllm.yml")
+    assert set(cfg["services"]) == {"redis", "skillcache", "vllm"}
+    app, vllm = cfg["services"]["skillcache"], cfg["services"]["vllm"]
+    env = app["environment"]
+    assert env["SKILLCACHE_ENGINE"] == "vllm" and env["SKILLCACHE_VLLM_URL"] == "http://vllm:8000"
+    assert env["SKILLCACHE_VLLM_DTYPE"] == "float32" and env["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
+    # the base survives the merge: store, model volume, published port, healthcheck (with the longer start)
+    assert env["SKILLCACHE_STORE"] == "redis" and env["SKILLCACHE_HOME"] == "/data"
+    assert app["ports"][0]["target"] == 8000 and app["ports"][0]["host_ip"] == "127.0.0.1"
+    assert app["build"]["args"]["BASE"] == "cpu"
+    assert parse_duration(app["healthcheck"]["start_period"]) >= 600
+    assert "/readyz" in app["healthcheck"]["test"][-1]
+
+    args = [str(a) for a in vllm["command"]]
+    assert args[args.index("--dtype") + 1] == env["SKILLCACHE_VLLM_DTYPE"]
+    assert _connector_config(args)["kv_connector_extra_config"]["heads_dir"] == env["SKILLCACHE_VLLM_HEADS_DIR"]
+    assert _connector_config(args)["kv_connector_module_path"] == "service.vllm.connector"
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    assert not vllm.get("ports")
+    assert vllm["environment"]["PYTHONPATH"] == "/opt/skillcache"
+
+    def mounts(service):
+        return {v["target"]: v for v in service["volumes"]}
+
+    assert mounts(app)["/heads"]["type"] == "volume" and mounts(vllm)["/heads"]["type"] == "volume"
+    assert mounts(app)["/heads"]["source"] == mounts(vllm)["/heads"]["source"] == "heads"
+    assert mounts(vllm)["/heads"]["read_only"] and mounts(vllm)["/data"]["read_only"]
+    assert mounts(app)["/data"]["source"] == mounts(vllm)["/data"]["source"] == "skillcache-data"
+    connector = mounts(vllm)["/opt/skillcache/service"]
+    assert connector["type"] == "bind" and connector["read_only"]
+    assert Path(connector["source"]) == REPO / "service"
+    assert cfg["volumes"]["heads"]["driver_opts"] == {"type": "tmpfs", "device": "tmpfs", "o": "size=2g,mode=1777"}
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
+
+
+def test_compose_config_vllm_dtype_is_one_variable():
+    """bfloat16 on a GPU: the one variable sets vLLM's --dtype and the dtype skillcache publishes heads in."""
+    cfg = _config("docker-compose.yml", "docker-compose.vllm.yml",
+                  env={"SKILLCACHE_VLLM_DTYPE": "bfloat16", "VLLM_MODEL": "/models/llama"})
+    vllm = cfg["services"]["vllm"]
+    args = [str(a) for a in vllm["command"]]
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+    assert cfg["services"]["skillcache"]["environment"]["SKILLCACHE_VLLM_DTYPE"] == "bfloat16"
+    assert vllm["environment"]["MODEL_DIR"] == "/models/llama"
+
+
+def test_compose_config_vllm_with_gpu_override():
+    cfg = _config("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.vllm.yml")
+    app = cfg["services"]["skillcache"]
+    assert app["build"]["args"]["BASE"] == "cuda" and app["environment"]["SKILLCACHE_DEVICE"] == "cuda"
+    assert app["environment"]["SKILLCACHE_ENGINE"] == "vllm"
+    assert {v["target"] for v in app["volumes"]} == {"/data", "/heads"}

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -383,3 +384,143 @@ def test_torch_threads_follow_a_whole_cpu_request(render):
     assert render({"resources": {"requests": {"cpu": "4"}}}).config()["SKILLCACHE_TORCH_THREADS"] == "4"
     assert "SKILLCACHE_TORCH_THREADS" not in render({"resources": {"requests": {"cpu": "500m"}}}).config()
     assert render({"config": {"SKILLCACHE_TORCH_THREADS": "2"}}).config()["SKILLCACHE_TORCH_THREADS"] == "2"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM as the engine: a sidecar in the skillcache pod
+
+
+VLLM_ON = {"vllm": {"enabled": True}}
+
+
+def test_vllm_values():
+    v = VALUES["vllm"]
+    assert v["enabled"] is False
+    assert v["image"]["repository"] == "vllm/vllm-openai" and re.fullmatch(r"v\d+\.\d+\.\d+", v["image"]["tag"])
+    assert v["dtype"] == "float32"
+    assert v["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert v["port"] != VALUES["service"]["port"], "same pod: vLLM cannot take skillcache's port"
+
+
+def test_vllm_off_by_default(render):
+    r = render()
+    pod = r.deployment()["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["skillcache"]
+    assert "initContainers" not in pod
+    assert not {"heads", "connector", "vllm-home", "dshm"} & {v["name"] for v in pod["volumes"]}
+    assert "/heads" not in {m["mountPath"] for m in r.container()["volumeMounts"]}
+    assert not [k for k in r.config() if k == "SKILLCACHE_ENGINE" or k.startswith("SKILLCACHE_VLLM_")]
+    assert "tolerations" not in pod
+
+
+def _vllm(r) -> dict:
+    containers = r.deployment()["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["skillcache", "vllm"]
+    return containers[1]
+
+
+def test_vllm_sidecar(render):
+    from service.vllm.launch import SERVED_NAME, connector_config
+
+    r = render(VLLM_ON)
+    pod = r.deployment()["spec"]["template"]["spec"]
+    vllm = _vllm(r)
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    args = vllm["args"]
+    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == json.loads(connector_config(Path("/heads")))
+    assert args[args.index("--served-model-name") + 1] == SERVED_NAME
+    assert args[args.index("--host") + 1] == "127.0.0.1", "vLLM's API has no keys: the pod's loopback only"
+    assert args[args.index("--port") + 1] == "8100"
+    assert "--enable-prompt-tokens-details" in args
+    assert vllm["command"][:2] == ["/bin/sh", "-c"]
+    assert 'exec python3 -m vllm.entrypoints.openai.api_server --model "$m" "$@"' in vllm["command"][2]
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env["PYTHONPATH"] == "/opt/skillcache" and env["MODELS_ROOT"] == "/data/models"
+    assert "ports" not in vllm
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "livenessProbe"):
+        cmd = vllm[probe]["exec"]["command"]
+        assert cmd[:2] == ["python3", "-c"] and "http://127.0.0.1:8100/health" in cmd[2]
+        compile(cmd[2], probe, "exec")
+
+    # skillcache: engine vllm, on the same pod's loopback, one dtype for both
+    config = r.config()
+    assert config["SKILLCACHE_ENGINE"] == "vllm"
+    assert config["SKILLCACHE_VLLM_URL"] == "http://127.0.0.1:8100"
+    assert config["SKILLCACHE_VLLM_MODEL"] == SERVED_NAME
+    assert config["SKILLCACHE_VLLM_DTYPE"] == args[args.index("--dtype") + 1] == "float32"
+    assert config["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
+    assert r.container()["readinessProbe"]["httpGet"]["path"] == "/readyz", "readiness covers vLLM (the engine)"
+
+    # the shared volumes: heads in memory (skillcache writes, vLLM reads), the connector, the model folder
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["heads"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    app_mounts = {m["mountPath"]: m for m in r.container()["volumeMounts"]}
+    vllm_mounts = {m["mountPath"]: m for m in vllm["volumeMounts"]}
+    assert app_mounts["/heads"]["name"] == vllm_mounts["/heads"]["name"] == "heads"
+    assert not app_mounts["/heads"].get("readOnly") and vllm_mounts["/heads"]["readOnly"]
+    assert vllm_mounts["/data"]["name"] == app_mounts["/data"]["name"] == "data" and vllm_mounts["/data"]["readOnly"]
+    assert vllm_mounts["/opt/skillcache"]["name"] == "connector"
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and vllm_mounts["/dev/shm"]["name"] == "dshm"
+    assert env["HOME"] in vllm_mounts, "vLLM's caches need a writable home (it runs as the pod's user)"
+
+    # the connector is copied from the skillcache image into the shared folder before vLLM starts
+    (init,) = pod["initContainers"]
+    assert init["image"] == r.container()["image"]
+    assert init["volumeMounts"] == [{"name": "connector", "mountPath": "/connector"}]
+    code = init["command"][2]
+    compile(code, "<init>", "exec")
+    for f in ("vllm/heads.py", "vllm/connector.py", "__init__.py", "vllm/__init__.py"):
+        assert f'"{f}"' in code
+    assert '"/connector/service"' in code, "lands as /opt/skillcache/service in vLLM, on its PYTHONPATH"
+
+    # a GPU node: the usual taint is tolerated
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_vllm_init_copies_the_connector(tmp_path, render):
+    """The initContainer's code, run against this checkout: the four files vLLM imports land under /connector."""
+    code = render(VLLM_ON).deployment()["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
+    code = code.replace('"/connector/service"', repr(str(tmp_path / "service")))
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+    copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py"))
+    assert copied == ["service/__init__.py", "service/vllm/__init__.py", "service/vllm/connector.py",
+                      "service/vllm/heads.py"]
+
+
+def test_vllm_options(render):
+    r = render({"vllm": {"enabled": True, "dtype": "bfloat16", "model": "/models/llama", "port": 8200,
+                         "extraArgs": ["--max-model-len", "8192"], "headsSizeLimit": "4Gi",
+                         "image": {"tag": "v0.33.0"}}})
+    vllm = _vllm(r)
+    args = vllm["args"]
+    assert args[args.index("--dtype") + 1] == "bfloat16" == r.config()["SKILLCACHE_VLLM_DTYPE"]
+    assert args[-2:] == ["--max-model-len", "8192"]
+    assert r.config()["SKILLCACHE_VLLM_URL"] == "http://127.0.0.1:8200"
+    assert {e["name"]: e.get("value") for e in vllm["env"]}["MODEL_DIR"] == "/models/llama"
+    assert vllm["image"].endswith(":v0.33.0")
+    heads = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "heads")
+    assert heads["emptyDir"]["sizeLimit"] == "4Gi"
+    # with gpu.enabled too: one GPU each
+    r = render({"vllm": {"enabled": True}, "gpu": {"enabled": True}})
+    assert r.container()["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert _vllm(r)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_vllm_dtype_is_set_in_one_place(render):
+    with pytest.raises(RenderError) as err:
+        render({"vllm": {"enabled": True}, "config": {"SKILLCACHE_VLLM_DTYPE": "bfloat16"}})
+    assert "vllm.dtype" in str(err.value)
+
+
+@pytest.mark.parametrize("values", [VLLM_ON, {"vllm": {"enabled": True}, "gpu": {"enabled": True},
+                                              "persistence": {"enabled": True}}], ids=["vllm", "vllm-gpu-pvc"])
+def test_vllm_manifests_match_kubernetes_schemas(render, values):
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate to check schemas")
+    version = kv.latest_version()
+    for doc in render(values).docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        kv.validate(doc, version, strict=True)
+    text = yaml.safe_dump_all(render(values).docs)
+    assert "<no value>" not in text and "%!" not in text
