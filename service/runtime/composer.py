@@ -1,0 +1,154 @@
+"""Composer: what a composed prompt's cache is made of: which tokens are copied from a block (re-rotated to their
+place), which run through the model (seams, edited spans, the text between blocks), and where an exact prefix ends.
+
+The runtime (service/runtime/engine.py) owns the model and its forwards; the Composer drives them for one prompt. Both
+engines use it: the embedded engine for the whole prompt, the vLLM engine for the head it publishes (tail_limit).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from service.errors import InvalidRequest
+from service.kv.block import KVBlock
+from service.kv.cache import append_block, append_kv, new_cache
+from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
+from service.runtime.prompt import PromptPlan, Segment
+
+if TYPE_CHECKING:
+    from service.runtime.engine import ModelRuntime
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping, non-empty [start, end) spans."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(x for x in spans if x[1] > x[0]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _inside(i: int, spans: list[tuple[int, int]]) -> bool:
+    return any(s <= i < e for s, e in spans)
+
+
+class Composer:
+    def __init__(self, rt: "ModelRuntime") -> None:
+        self.rt = rt
+
+    def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
+        """Copy an exact prefix (plan.ids[:N]: it ends at a segment boundary or inside a text segment, before the
+        prompt's end) into the empty cache; return the segments after it (a text segment cut at N keeps its rest)."""
+        n = prefix.n_tokens
+        if plan.ids[:n] != prefix.token_ids or n >= plan.n_tokens:
+            raise InvalidRequest("internal: the prefix's ids differ from the prompt's, or leave nothing to run")
+        start = 0
+        for i, seg in enumerate(plan.segments):
+            end = start + len(seg.ids)
+            if end > n:
+                if start < n and seg.kind != "text":
+                    raise InvalidRequest("internal: a prefix may not end inside a skill block")
+                rest = [Segment("text", seg.ids[n - start:])] if start < n else [seg]
+                break
+            start = end
+        append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
+        return rest + plan.segments[i + 1:]
+
+    def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
+        """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
+        a = len(self.rt.anchor)
+        if not a or len(plan.segments) < 2:
+            return False
+        text, skill = plan.segments[0], plan.segments[1]
+        return (text.kind == "text" and text.ids == self.rt.anchor and skill.kind == "skill"
+                and blocks[skill.skill_index].base == a)
+
+    @torch.inference_mode()
+    def steps(
+        self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
+        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0, defer_tail: bool = False,
+        tail_limit: int = DEFERRED_TAIL_TOKENS,
+    ) -> Steps:
+        """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
+        forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
+
+        compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the model
+        against the real preceding context; the rest of each block is re-rotated from its
+        canonical copy. full: the token-identical full recompute of plan.ids.
+        A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
+        already exactly what a full prefill computes, and the anchor's own K/V is cached.
+        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
+        copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
+        decode), so its buffers are allocated once. `defer_tail` (compose): a last text run of at most
+        `tail_limit` (default DEFERRED_TAIL_TOKENS) is not run: the result's `tail` holds it and `logits` is None (the
+        serving engine runs the tails of requests that compose in the same step as one forward, service/kv/batch_tail.py;
+        the vLLM engine leaves the whole tail to vLLM).
+        """
+        t0 = time.perf_counter()
+        cache = new_cache(self.rt.model.config, reserve_tokens=max(reserve_tokens, plan.n_tokens))
+        if mode == "full" or not any(s.kind == "skill" for s in plan.segments):
+            logits = yield from self.rt.forward_steps(plan.ids, 0, cache, chunk)
+            ms = (time.perf_counter() - t0) * 1e3
+            return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
+        pending: list[int] = []  # ids waiting to run; they end at position `pos`
+        pos = n_reused = n_prefix = 0
+        seams_used: dict[int, int] = {}
+        t_rotate = t_text = 0.0
+        segments, exact_first = plan.segments, None
+        if prefix is not None:
+            segments = self._skip_prefix(plan, prefix, cache)
+            pos = n_prefix = prefix.n_tokens
+        elif self._starts_at_anchor(plan, blocks):
+            self.rt._append_anchor(cache)
+            pos, segments, exact_first = len(self.rt.anchor), plan.segments[1:], plan.segments[1].skill_index
+
+        def flush():
+            nonlocal pending, t_text
+            if pending:
+                t1 = time.perf_counter()
+                yield from self.rt.forward_steps(pending, pos - len(pending), cache, chunk)
+                t_text += time.perf_counter() - t1
+                pending = []
+
+        for seg in segments:
+            if seg.kind == "text":
+                pending.extend(seg.ids)
+                pos += len(seg.ids)
+                continue
+            block = blocks[seg.skill_index]
+            if len(block.token_ids) != len(seg.ids):
+                raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
+            # spans run through the model with the prompt's ids: the seam, then any edited field spans
+            seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
+            if seg.skill_index == exact_first and not seg.recompute:  # edited: tokens after the edit are stale
+                seam = 0
+            seams_used[seg.skill_index] = min(seam, block.n_tokens)
+            spans = _merge([(0, seams_used[seg.skill_index]), *seg.recompute])
+            if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
+                raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
+            start, cursor = pos, 0  # start: the block's offset in the prompt
+            for s, e in spans + [(block.n_tokens, block.n_tokens)]:
+                if s > cursor:  # copy block tokens [cursor, s), moved to start + i
+                    yield from flush()
+                    t1 = time.perf_counter()
+                    n_reused += append_block(cache, block, cursor, s, offset=start, rotator=self.rt.rotator)
+                    t_rotate += time.perf_counter() - t1
+                pending.extend(seg.ids[s:e])
+                pos, cursor = start + e, max(cursor, e)
+        if not pending:
+            raise InvalidRequest("internal: the prompt must end with text after the last skill")
+        deferred = defer_tail and len(pending) <= tail_limit
+        t1 = time.perf_counter()
+        logits = None if deferred else (yield from self.rt.forward_steps(pending, pos - len(pending), cache, chunk))
+        t_tail = time.perf_counter() - t1
+        total_ms = (time.perf_counter() - t0) * 1e3
+        timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
+                   "tail_ms": t_tail * 1e3}
+        return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
+                             n_prefix, seams_used, pending if deferred else None, pos - len(pending))
