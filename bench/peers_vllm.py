@@ -114,12 +114,13 @@ class Engine:
             self.vllm.wait_ready(900)
             if self.name == "vllm":
                 return self.vllm.url
-        env = {"SKILLCACHE_SKILLS_DIR": str(self.home / "skills"), "SKILLCACHE_TORCH_THREADS": str(a.threads),
+        threads = a.threads if self.vllm is None else a.sc_vllm_threads  # as make run-vllm runs it
+        env = {"SKILLCACHE_SKILLS_DIR": str(self.home / "skills"), "SKILLCACHE_TORCH_THREADS": str(threads),
                "SKILLCACHE_REFINE_AFTER": "1" if refine else "0"}
         if self.vllm is not None:
             env.update(SKILLCACHE_ENGINE="vllm", SKILLCACHE_VLLM_URL=self.vllm.url, SKILLCACHE_VLLM_DTYPE=a.dtype,
                        SKILLCACHE_VLLM_HEADS_DIR=str(self.home / "heads"))
-        self.svc = ServiceProcess(self.home / self.name, env, name=self.name, threads=a.threads).start()
+        self.svc = ServiceProcess(self.home / self.name, env, name=self.name, threads=threads).start()
         self.svc.wait_ready(900)
         return self.svc.url
 
@@ -232,10 +233,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3, help="arm c: one-stream requests")
+    ap.add_argument("--repeats", type=int, default=6, help="arm c: one-stream requests")
     ap.add_argument("--dtype", default="float32", help="vLLM's --dtype (and the heads')")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="vLLM's cores and the embedded engine's threads")
+    ap.add_argument("--sc-vllm-threads", type=int, default=1,
+                    help="skillcache's torch threads beside vLLM (make run-vllm's default; docs/OPERATIONS.md)")
     ap.add_argument("--settle-s", type=float, default=300)
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "peers-vllm.json"))
     args = ap.parse_args(argv)

@@ -22,4 +22,7 @@ trap 'kill -TERM -- -$vllm_pid 2>/dev/null || true; wait $vllm_pid 2>/dev/null |
 trap 'exit 130' INT TERM
 echo "run-vllm: vLLM with the skillcache connector on http://127.0.0.1:$VLLM_PORT (log: $log; 1-3 min to start)"
 echo "run-vllm: skillcache on http://$HOST:$PORT, SKILLCACHE_ENGINE=vllm; /readyz says ready once both are up"
-SKILLCACHE_ENGINE=vllm SKILLCACHE_VLLM_URL="http://127.0.0.1:$VLLM_PORT" "$PY" -m service --host "$HOST" --port "$PORT"
+# skillcache composes on one thread beside vLLM: vLLM's worker busy-polls a core for a second after each request
+# (its shm queue), and a two-thread composition then ran 4-5x slower here (docs/OPERATIONS.md, "vLLM engine")
+SKILLCACHE_ENGINE=vllm SKILLCACHE_VLLM_URL="http://127.0.0.1:$VLLM_PORT" \
+  SKILLCACHE_TORCH_THREADS=${SKILLCACHE_TORCH_THREADS:-1} "$PY" -m service --host "$HOST" --port "$PORT"

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.errors import NotOnEngine
 from service.runtime.params import Delta, Done
+from service.tools.events import parsed
 from service.vllm.client import Usage, VllmClient
 from service.vllm.heads import HeadWriter, Layout
 
@@ -77,6 +78,7 @@ class VllmEngine:
         self.pool = HeadWriter(settings.vllm_heads_dir, settings.vllm_head_pool_bytes, runtime.fingerprint, self.layout)
         self.refine_after = settings.refine_after
         self._seen: OrderedDict[str, int] = OrderedDict()  # head digest -> compositions served (LRU, bounded)
+        self._seams: dict[str, dict[int, int]] = {}  # head digest -> the seams its composition recomputed
         self._exact: OrderedDict[str, None] = OrderedDict()  # digests whose exact head vLLM has prefilled
         self._refining: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -92,7 +94,7 @@ class VllmEngine:
         n = self._seen.pop(digest, 0)
         self._seen[digest] = n + 1
         while len(self._seen) > 4096:
-            self._seen.popitem(last=False)
+            self._seams.pop(self._seen.popitem(last=False)[0], None)
         return n + 1
 
     def _refine(self, digest: str, head_ids: list[int], namespace: str) -> None:
@@ -123,9 +125,10 @@ class VllmEngine:
     async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
         """Compose the head (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)` builds the
         Final (the pipeline's, shared with the embedded engine). Errors before the first token raise here."""
-        if prep.tools is not None or prep.params.late is not None:
-            raise NotOnEngine("tools and memories are not served on SKILLCACHE_ENGINE=vllm yet; use the embedded "
-                              "engine for them")
+        if prep.tools is not None and prep.tools.options:
+            raise NotOnEngine("tool_choice \"required\" with several tools is chosen by scoring each tool on the "
+                              "model, which SKILLCACHE_ENGINE=vllm does not do yet; name the tool, use \"auto\", or "
+                              "use the embedded engine")
         from service.runtime.engine import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
@@ -146,15 +149,21 @@ class VllmEngine:
                         plan, prep.blocks, mode="compose", seam_tokens=prep.seams, chunk=self.settings.prefill_chunk_tokens,
                         defer_tail=True, tail_limit=HEAD_TAIL))
                     layers = composed.cache.layers
+                    t1 = time.perf_counter()
                     ref = self.pool.publish(plan.ids[:h], [la.keys for la in layers], [la.values for la in layers],
                                             digest)
                     pre.n_reused, pre.seams = composed.n_reused, composed.seams
+                    self._seams[digest] = composed.seams
+                    log.debug("head of %d tokens: composed in %.0f ms, published in %.0f ms", h, (t1 - t0) * 1e3,
+                              (time.perf_counter() - t1) * 1e3)
                     metrics.VLLM_HEADS.labels("composed" if ref is not None else "no_room").inc()
                 else:
+                    pre.seams = dict(self._seams.get(digest, {}))
                     metrics.VLLM_HEADS.labels("reused").inc()
                 t_head = (time.perf_counter() - t0) * 1e3
                 n_reused = h if ref is not None else 0
-                if self.refine_after and self._count(digest) >= self.refine_after:  # after the response, below
+                n_seen = self._count(digest)
+                if self.refine_after and n_seen >= self.refine_after:  # after the response, below
                     refine = lambda: self._refine(digest, plan.ids[:h], ns)  # noqa: E731
         transfer = {"skillcache": ref.to_dict()} if ref is not None else None
         usage = Usage()
@@ -170,8 +179,10 @@ class VllmEngine:
         if ref is not None:
             self.pool.release(ref)  # loaded: vLLM had it before its first token
         pre.timings_ms["prefill_ms"] = t_head
-        return self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish,
-                            refine)
+        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish,
+                              refine)
+        parser = prep.tools.parser() if prep.tools is not None else None
+        return parsed(events, parser) if parser is not None else events
 
     async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_reused: int,
                       approx: bool, finish, refine):

@@ -146,10 +146,30 @@ def test_vllm_down_is_503_engine_unavailable_and_not_ready(env):
     assert c.get("/readyz").status_code == 200
 
 
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
 def test_what_vllm_does_not_serve_yet_is_501(env):
     c, _, _, _ = env
     r = c.post("/v1/sessions", json={"skills": ["a"]})
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_on_engine"
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 2, "tools": tools})
+    r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 2, "tools": [tool("f"), tool("g")],
+                                    "tool_choice": "required"})
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_on_engine"
+
+
+def test_tools_and_memories_go_to_vllm_inside_the_head(env):
+    c, fake, _, _ = env
+    compose(c, ["a"], "call it", tools=[tool("lookup")])  # the tools block compiled for it counts as recomputed
+    out = compose(c, ["a"], "call it again", tools=[tool("lookup")])
+    sent = fake.sent[-1]
+    assert out["tools"]["path"] == "compose" and sent["transfer"] is not None  # the tools block is in the head
+    assert out["usage"]["composed_tokens"] == sent["transfer"]["skillcache"]["n_tokens"]
+    assert c.post("/v1/memories", json={"name": "m", "text": "- plan: gold\n- city: Oslo"}).status_code in (200, 201)
+    compose(c, ["a"], "where do I live?")
+    plain = fake.sent[-1]["transfer"]["skillcache"]["n_tokens"]
+    out = compose(c, ["a"], "where do I live?", memory="m")
+    with_memory = fake.sent[-1]["transfer"]["skillcache"]["n_tokens"]
+    assert with_memory > plain and out["memory"] is not None  # the memory's blocks are composed into the head
+    assert out["usage"]["recomputed_tokens"] == out["usage"]["prompt_tokens"] - with_memory
