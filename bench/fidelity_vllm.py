@@ -64,22 +64,27 @@ def main() -> None:
     ap.add_argument("--refined", type=int, default=4, help="orders checked after refinement (0: none)")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="embedded", help="SKILLCACHE_MODEL of both services (a .gguf: converted once)")
+    ap.add_argument("--chat-template", default=None, help="SKILLCACHE_CHAT_TEMPLATE (gemma for Gemma-3-270M)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "fidelity-vllm.json"))
     args = ap.parse_args()
     rng = random.Random(args.seed)
     orders = [o for k in (2, 3) for o in itertools.permutations(SHIPPED, k)]
     rng.shuffle(orders)
     cases = [(orders[i], TURNS[i % len(TURNS)]) for i in range(args.cases)]
-    prompts = Prompts(SHIPPED)
+    prompts = Prompts(SHIPPED, args.model, args.chat_template)
     home = Path(tempfile.mkdtemp(prefix="skillcache-fidelity-vllm-"))
     (home / "skills").mkdir()
     for name in SHIPPED:
         shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
     from service.config import Settings
 
-    vllm = VllmProcess(command(model_dir(Settings()), free_port(), home / "heads"), environment(),
+    vllm = VllmProcess(command(model_dir(Settings(model=args.model)), free_port(), home / "heads"), environment(),
                        home / "vllm.log")
-    base = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_REFINE_AFTER": "0"}
+    base = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_REFINE_AFTER": "0",
+            "SKILLCACHE_MODEL": args.model, "SKILLCACHE_TORCH_THREADS": "1"}
+    if args.chat_template:
+        base["SKILLCACHE_CHAT_TEMPLATE"] = args.chat_template
     out: dict = {"cases": [], "refined": []}
     t0 = time.perf_counter()
     try:
@@ -126,6 +131,8 @@ def main() -> None:
         embedded.stop()
     finally:
         vllm.stop()
+        if vllm.proc is not None and vllm.proc.returncode not in (None, 0, -15):
+            print((home / "vllm.log").read_text()[-3000:])
         shutil.rmtree(home, ignore_errors=True)
     n = len(out["cases"])
     out["agreement"] = {"n": n, "vllm": sum(c["vllm"] == c["reference"] for c in out["cases"]),

@@ -97,6 +97,19 @@ def sources(url: str) -> dict[str, float]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
 class Engine:
     """One engine's processes: started, used as a Peer, stopped."""
 
@@ -125,7 +138,10 @@ class Engine:
         return self.svc.url
 
     def pids(self) -> list[int]:
-        return [p.proc.pid for p in (self.vllm, self.svc) if p is not None and p.proc is not None]
+        """The servers' processes with their children: vLLM's engine core and worker do its computing, and
+        skillcache's refinements run there, after the responses."""
+        roots = [p.proc.pid for p in (self.vllm, self.svc) if p is not None and p.proc is not None]
+        return [q for r in roots for q in descendants(r)]
 
     def stop(self) -> None:
         for p in (self.svc, self.vllm):
@@ -273,7 +289,7 @@ def main(argv=None) -> None:
     for eng, run in out["runs"].items():
         if "vllm_sources_a" in run:
             print(f"vLLM prompt tokens by source, arm a, {eng}:", {k: round(v) for k, v in run["vllm_sources_a"].items()})
-    print(f"p50 TTFT ratios, vllm / skillcache-vllm: " + ", ".join(
+    print("p50 TTFT ratios, vllm / skillcache-vllm: " + ", ".join(
         f"{arm} {pct_ratio(out['runs'], arm)}" for arm in "ab"))
 
 

@@ -37,7 +37,7 @@ WARM_TURN = "Good morning."
 class Prompts:
     """Token ids exactly as skillcache builds them: the chat template, the skills joined in the system turn."""
 
-    def __init__(self, skills: list[str]) -> None:
+    def __init__(self, skills: list[str], model: str = "embedded", chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         from service.runtime.gguf import convert_gguf
@@ -45,8 +45,13 @@ class Prompts:
         from service.runtime.prompt import PromptBuilder
 
         models = Path(os.environ.get("SKILLCACHE_MODEL_CACHE") or caller_home() / "models")
-        converted = convert_gguf(gguf_source("embedded"), models, caller_home() / "fingerprints.json")
-        self.builder = PromptBuilder(AutoTokenizer.from_pretrained(converted))
+        converted = convert_gguf(gguf_source(model), models, caller_home() / "fingerprints.json")
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        if chat_template:  # as the service sets it (SKILLCACHE_CHAT_TEMPLATE: a built-in name)
+            from service.runtime.templates import BUILTIN_TEMPLATES
+
+            tokenizer.chat_template = BUILTIN_TEMPLATES[chat_template][0]
+        self.builder = PromptBuilder(tokenizer)
         specs = {n: load_skill(n) for n in skills}
         self.skill_ids = {n: self.builder.encode_content(render(s["text"], s["fields"])) for n, s in specs.items()}
 
