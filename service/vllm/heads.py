@@ -250,9 +250,10 @@ class HeadReader:
             raise HeadError("the head belongs to another model")
         return h
 
-    def map_checked(self, ref: HeadRef, layout: Layout) -> _Mapped:
-        """The record of `ref` when its header and layout check out (no CRC: open() checked the data)."""
-        h = self.header(ref)
+    def map_checked(self, ref: HeadRef, layout: Layout, h: dict | None = None) -> _Mapped:
+        """The record of `ref` when its header (`h`, read here when not given) and layout check out (no CRC: open()
+        checked the data)."""
+        h = self.header(ref) if h is None else h
         if h.get("layout") != [layout.n_layers, layout.n_kv_heads, layout.head_dim, layout.dtype]:
             raise HeadError(f"layout {h.get('layout')} differs from this engine's {layout}")
         buf = self._map(ref.pool)
@@ -263,8 +264,8 @@ class HeadReader:
     def open(self, ref: HeadRef, prompt_ids, layout: Layout, lo: int = 0, hi: int | None = None) -> _Mapped:
         """The record of `ref` once it checks out for a request whose prompt starts with its ids, and the chunks
         covering tokens [lo, hi) match their CRCs. Raises HeadError otherwise."""
-        m = self.map_checked(ref, layout)
         h = self.header(ref)
+        m = self.map_checked(ref, layout, h)
         n = ref.n_tokens
         ids = m.ids.tolist()
         if len(prompt_ids) <= n or list(prompt_ids[:n]) != ids or _ids_crc(ids) != h.get("ids_crc"):
