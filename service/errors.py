@@ -121,8 +121,3 @@ class EngineUnavailable(ServiceError):
         super().__init__(message)
         self.headers = {"Retry-After": str(retry_after_s)}
 
-
-class NotOnEngine(ServiceError):
-    """A feature the configured engine does not serve yet (e.g. sessions on SKILLCACHE_ENGINE=vllm)."""
-
-    status, error_type = 501, "not_supported_on_engine"

@@ -10,7 +10,7 @@ from typing import Any
 
 from service import metrics
 from service.config import Settings
-from service.errors import NotOnEngine, NotReady, ServiceError
+from service.errors import NotReady, ServiceError
 from service.compose.pipeline import ComposePipeline
 from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
@@ -118,9 +118,6 @@ class AppState:
 
     def require_sessions(self) -> SessionManager:
         self.require_pipeline()
-        if self.settings.engine != "embedded":  # a session holds its cache on this process's engine
-            raise NotOnEngine("sessions are not served on SKILLCACHE_ENGINE=vllm yet: send each turn to "
-                              "/v1/chat/completions with the whole conversation (vLLM's prefix cache reuses it)")
         return self.sessions
 
     def require_memories(self):

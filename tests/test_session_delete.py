@@ -23,7 +23,7 @@ POLICY = "Refunds are allowed within 30 days. The order status is {{status}}. De
 
 
 def _pipeline(store, defs, ttl_s=3600.0):
-    settings = NS(session_persist=True, session_store_ttl_s=ttl_s)
+    settings = NS(session_persist=True, session_store_ttl_s=ttl_s, engine="embedded")
     return NS(settings=settings, store=store, registry=NS(definitions=defs), rt=NS(fingerprint="fp-test"))
 
 

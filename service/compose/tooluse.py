@@ -38,13 +38,13 @@ class ToolsPrep:
 
     def steps(self, rt, steps):
         """The request's prefill steps, followed by the choice of the tool when `required` leaves it open."""
-        return choose_steps(rt, steps, self.options, self._chosen) if self.options else steps
+        return choose_steps(rt, steps, self.options, self.chosen) if self.options else steps
 
     def extra_tokens(self) -> int:
         """Prompt tokens the choice may append after the prompt."""
         return max_tail(self.options) if self.options else 0
 
-    def _chosen(self, c: Candidate) -> None:  # on the engine, before the first token
+    def chosen(self, c: Candidate) -> None:  # on the engine, before the first token
         self.opening += c.text
         self.tail_ids = c.name_ids + c.rest_ids
 

@@ -4,6 +4,8 @@ Both implement the same small interface:
     async start(prep, finish) -> AsyncIterator[Delta | Final]   first event awaited: errors before it raise
     async health() -> bool                                       the engine answers (readiness)
     async close()
+    keeps_conversations: bool                                    True: sessions send each turn whole, the engine's
+                                                                 prefix cache keeps the conversation (vLLM)
 embedded  service/engines/embedded.py: this process's serving engine (make run)
 vllm      service/engines/vllm.py: a vLLM server, fed composed heads through service/vllm/connector.py
 """

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 
 class EmbeddedEngine:
+    keeps_conversations = False  # a session's cache is held by the session manager, in this process
+
     def __init__(self, settings, runtime, serving, refiner, guard) -> None:
         self.settings = settings
         self.rt = runtime

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from service import metrics
-from service.errors import NotOnEngine
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
 from service.vllm.client import Usage, VllmClient
@@ -69,6 +68,8 @@ def head_length(plan) -> int:
 
 
 class VllmEngine:
+    keeps_conversations = True  # sessions send the whole conversation: vLLM's prefix cache holds it (sessions/)
+
     def __init__(self, settings, runtime, serving_engine, client: VllmClient | None = None) -> None:
         self.settings = settings
         self.rt = runtime
@@ -125,10 +126,6 @@ class VllmEngine:
     async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
         """Compose the head (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)` builds the
         Final (the pipeline's, shared with the embedded engine). Errors before the first token raise here."""
-        if prep.tools is not None and prep.tools.options:
-            raise NotOnEngine("tool_choice \"required\" with several tools is chosen by scoring each tool on the "
-                              "model, which SKILLCACHE_ENGINE=vllm does not do yet; name the tool, use \"auto\", or "
-                              "use the embedded engine")
         from service.runtime.engine import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
@@ -166,14 +163,19 @@ class VllmEngine:
                 if self.refine_after and n_seen >= self.refine_after:  # after the response, below
                     refine = lambda: self._refine(digest, plan.ids[:h], ns)  # noqa: E731
         transfer = {"skillcache": ref.to_dict()} if ref is not None else None
-        usage = Usage()
-        stream = self.client.stream(plan.ids, prep.params.gen, salt, transfer, usage)
+        usage, ids = Usage(), plan.ids
+        stream = None
         try:
+            if prep.tools is not None and prep.tools.options:
+                ids = ids + await self._choose(prep.tools, ids, salt, transfer)
+                pre.n_prompt = len(ids)
+            stream = self.client.stream(ids, prep.params.gen, salt, transfer, usage)
             first = await anext(stream)
         except BaseException:
             if ref is not None:
                 self.pool.release(ref)
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
             raise
         ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
         if ref is not None:
@@ -183,6 +185,19 @@ class VllmEngine:
                               refine)
         parser = prep.tools.parser() if prep.tools is not None else None
         return parsed(events, parser) if parser is not None else events
+
+    async def _choose(self, tools, ids: list[int], salt: str, transfer: dict | None) -> list[int]:
+        """tool_choice `required` among several tools: vLLM picks the name (its structured output `choice`, greedy,
+        from the prompt that ends just before a name; the head loaded as for the reply), the reply then continues
+        after the chosen name and the rest of its opening (the embedded engine scores each whole name instead)."""
+        texts = [c.text for c in tools.options]
+        picked = await self.client.choose(ids, texts, salt, transfer, 4 * max(len(c.name_ids) + len(c.rest_ids)
+                                                                             for c in tools.options))
+        best = tools.options[texts.index(picked)] if picked in texts else tools.options[0]
+        if picked not in texts:
+            log.warning("vLLM's choice %r is none of the offered tools; the first is used", picked)
+        tools.chosen(best)
+        return best.name_ids + best.rest_ids
 
     async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_reused: int,
                       approx: bool, finish, refine):
@@ -200,7 +215,7 @@ class VllmEngine:
                     break
         finally:
             await stream.aclose()
-        cached, n = usage.cached_tokens, prep.plan.n_tokens
+        cached, n = usage.cached_tokens, pre.n_prompt  # the prompt sent: a chosen tool's opening included
         if n_reused and cached < h:  # the connector did not load the head: vLLM computed it (nothing wrong served)
             metrics.VLLM_HEADS.labels("rejected").inc()
             log.warning("vLLM computed %d of the %d head tokens skillcache published", h - cached, h)

@@ -20,6 +20,7 @@ from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionB
 from service.compose.pipeline import ComposePipeline, Final, SkillRef
 from service.runtime.late import late_turn_steps
 from service.runtime.params import Delta, Done, GenParams
+from service.sessions.engine_turns import EngineTurns, relay
 from service.sessions.saved import SavedSessions, Session
 from service.tools.conversation import link_results
 from service.tools.events import parsed, tool_calls_of
@@ -37,6 +38,7 @@ class SessionManager:
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
         self.saved = SavedSessions(pipeline, self.live)
+        self.engine_turns = EngineTurns(pipeline)
         self._loading: dict[tuple[str, str], asyncio.Task] = {}  # (namespace, id) -> its resume in progress
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -66,31 +68,48 @@ class SessionManager:
                     skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
                     base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks],
                     tools=[t.openai() for t in tools.tools] if tools is not None else [],
-                    memory=memory, memory_seam_tokens=memory_seam_tokens)
+                    memory=memory, memory_seam_tokens=memory_seam_tokens, mode=mode, seam_tokens=seam_tokens)
         tb = self.p.tool_prompt.block(tools) if tools is not None else None
         if tb is not None:
             check_block_size(tb, self.p.settings.max_skill_tokens)
         plan, t_index = self.p.tool_prompt.build(self._head(s), s.skill_ids, s.base_errata, tb,
                                                  add_generation_prompt=False)
         self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
-        picks = [self.p.guard.seam_for(str(self.p.registry.block_key(ns, r.default_text)), b, seam_tokens)
-                 for r, b in zip(records, blocks)]  # calibrated seams; a degraded skill runs in full
-        if t_index is not None:
-            kv, _, key = await self.p.tools_block(ns, list(tb.ids))
-            blocks.append(kv)
-            picks.append(self.p.guard.seam_for(str(key), kv, seam_tokens))
-        mode = "full" if any(path == "full" for _, path in picks) else mode
-        seam = [k or 0 for k, _ in picks]
-        prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
-        pre = await self.p.engine.run_steps(self.rt.prefill_steps(
-            plan, blocks, mode=mode, seam_tokens=seam, prefix=prefix, chunk=self.p.settings.prefill_chunk_tokens))
-        if mode == "compose":
-            self.p.refiner.note(ns, plan, pre.n_prefix)
-        s.cache, s.ids = pre.cache, plan.ids
+        blocks, seam, mode = await self._head_blocks(s, records, tb, t_index, blocks)
+        if self._on_engine():  # the engine keeps the conversation: it prefills the head once, now
+            usage = await self.engine_turns.create(s, plan, blocks, seam, mode)
+            s.ids = plan.ids
+        else:
+            prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
+            pre = await self.p.engine.run_steps(self.rt.prefill_steps(
+                plan, blocks, mode=mode, seam_tokens=seam, prefix=prefix, chunk=self.p.settings.prefill_chunk_tokens))
+            if mode == "compose":
+                self.p.refiner.note(ns, plan, pre.n_prefix)
+            s.cache, s.ids = pre.cache, plan.ids
+            usage = {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
+                     "recomputed_tokens": pre.n_recomputed}
         self._admit(s)
         self.saved.save_later(s)
-        return s, {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
-                   "recomputed_tokens": pre.n_recomputed}
+        return s, usage
+
+    async def _head_blocks(self, s: Session, records, tb, t_index: int | None, blocks: list | None = None):
+        """The session's head blocks (its skills', then the tools block), their calibrated seams, and the mode
+        that runs (a degraded skill runs in full)."""
+        ns = s.namespace
+        if blocks is None:
+            blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
+        picks = [self.p.guard.seam_for(str(self.p.registry.block_key(ns, r.default_text)), b, s.seam_tokens)
+                 for r, b in zip(records, blocks)]
+        if t_index is not None:
+            kv, _, key = await self.p.tools_block(ns, list(tb.ids))
+            blocks = [*blocks, kv]
+            picks.append(self.p.guard.seam_for(str(key), kv, s.seam_tokens))
+        mode = "full" if any(path == "full" for _, path in picks) else s.mode
+        return blocks, [k or 0 for k, _ in picks], mode
+
+    def _on_engine(self) -> bool:
+        """True when the engine keeps conversations' K/V itself (vLLM's prefix cache), not this process."""
+        return getattr(self.p.runner, "keeps_conversations", False)
 
     async def get(self, ns: str, sid: str) -> Session:
         if self.saved.is_deleted(sid):
@@ -150,8 +169,21 @@ class SessionManager:
             ids = plan.ids
             self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens,
                                  "compose" if late else "full")
-            events = await self._run_turn(s, ids, gen, tools, (plan, late) if late else None, t0)
-            out = self._finish(s, messages, fields, changed, errata, events)
+            if self._on_engine():
+                records = [await self.p.registry.get(ns, sk["name"], sk["version"]) for sk in s.skills]
+                blocks, seams, mode = await self._head_blocks(s, records, tb, t_index)
+                events, box = await self.engine_turns.start(s, plan, blocks, seams, mode, gen, tools, late, t0)
+
+                def ended(final: Final, usage: dict, timings: dict) -> Final:
+                    s.ids = ids + (tools.tail_ids if tools is not None else []) + final.done.token_ids
+                    memory = late.report(box["pre"].seams, _late_index(plan, late)) if late else None
+                    return self._ended(s, messages, fields, changed, errata, final.done, usage, timings, tools,
+                                       memory)
+
+                out = relay(events, box, ended, s.lock.release)
+            else:
+                events = await self._run_turn(s, ids, gen, tools, (plan, late) if late else None, t0)
+                out = self._finish(s, messages, fields, changed, errata, events)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
             s.lock.release()
@@ -197,34 +229,37 @@ class SessionManager:
                     if box["late"] is not None:  # the memory leaves the conversation's cache: floated again next turn
                         ids = await self.memories.leave(s.cache, ids, box["late"][0].late_span)
                     s.ids = ids[: s.cache.get_seq_length()]
-                    s.messages = messages + [self._reply(item)]
-                    s.fields.update(fields)
-                    s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
-                                      for said in s.skill_fields]  # an erratum names no skill: all read it
                     usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
                              "composed_tokens": box["composed"], "prefix_tokens": box["reused"] - box["composed"],
                              "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
-                    metrics.TOKENS.labels("prefix").inc(box["reused"] - box["composed"])
-                    metrics.TOKENS.labels("composed").inc(box["composed"])
-                    metrics.TOKENS.labels("recomputed").inc(box["recomputed"])
                     timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
                                "store_ms": round(box["store_ms"], 2),
                                "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
-                    edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
-                    if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
-                        self._admit(s)
-                        self.saved.save_later(s)
-                    report = None if tools is None else {
-                        "format": tools.block.fmt.name, "native": tools.block.native,
-                        "n_tokens": len(tools.block.ids), "source": "session"}
                     memory = box["late"][1].report(box["seams"], _late_index(*box["late"])) if box["late"] else None
-                    yield Final(item, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits,
-                                report, memory)
+                    yield self._ended(s, messages, fields, changed, errata, item, usage, timings, tools, memory)
                     return
                 yield item
         finally:
             s.lock.release()
             await stream.aclose()  # a client gone mid-reply: stop generating now
+
+    def _ended(self, s: Session, messages, fields, changed, errata, done: Done, usage: dict, timings: dict, tools,
+               memory) -> Final:
+        """A turn has ended: the session takes its reply and fields, is kept and saved; the turn's Final."""
+        s.messages = messages + [self._reply(done)]
+        s.fields.update(fields)
+        s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
+                          for said in s.skill_fields]  # an erratum names no skill: all read it
+        for kind in ("prefix", "composed", "recomputed"):
+            metrics.TOKENS.labels(kind).inc(usage[f"{kind}_tokens"])
+        edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
+        if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
+            self._admit(s)
+            self.saved.save_later(s)
+        report = None if tools is None else {
+            "format": tools.block.fmt.name, "native": tools.block.native, "n_tokens": len(tools.block.ids),
+            "source": "session"}
+        return Final(done, usage, timings, [{**sk, "source": "session"} for sk in s.skills], edits, report, memory)
 
     def _changed(self, s: Session, fields: dict[str, str]) -> dict[str, str]:
         """The given fields that some skill's block, or the last erratum line, says otherwise. As in /v1/compose,

@@ -40,6 +40,8 @@ class Session:
     ids: list[int] = field(default_factory=list)  # tokens held by `cache`
     memory: str | None = None  # a memory floated before each user turn (service/memory/), never held in `cache`
     memory_seam_tokens: int | None = None  # None: SKILLCACHE_MEMORY_SEAM_TOKENS
+    mode: str = "compose"  # how the head is prefilled: "compose", or "full"
+    seam_tokens: int | None = None  # the head's seams (None: calibrated); on vLLM it may be composed again
     cache: Any = None  # DynamicCache, owned by this session; None until loaded
     created_at: float = field(default_factory=time.time)
     saved_at: float | None = None  # wall clock of the last save (creation or turn): the store's expiry clock
@@ -56,7 +58,7 @@ class Session:
 
     def doc(self) -> dict:
         keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
-                "skill_fields", "tools", "ids", "created_at", "saved_at", "memory", "memory_seam_tokens")
+                "skill_fields", "tools", "ids", "created_at", "saved_at", "memory", "memory_seam_tokens", "mode", "seam_tokens")
         return {k: getattr(self, k) for k in keep}
 
     def public(self) -> dict:
@@ -79,6 +81,7 @@ class SavedSessions:
         st = pipeline.settings
         self.p, self.live = pipeline, live
         self.enabled, self.ttl_s = st.session_persist, st.session_store_ttl_s
+        self.kv = st.engine == "embedded"  # else the engine keeps the conversation's K/V: the document is the session
         self._bg: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
         self._deleted: OrderedDict[str, None] = OrderedDict()  # tombstones, oldest first (ids are never reused)
@@ -107,9 +110,10 @@ class SavedSessions:
 
         s.saved_at = time.time()
         doc = s.doc()
-        # copies: the next turn extends the session's cache in place while this save may still be queued
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in s.cache.layers]  # [1, H_kv, T, D]
-        block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.p.rt.fingerprint)
+        block = None
+        if self.kv:  # copies: the next turn extends the session's cache in place while this save may still be queued
+            layers = [(layer.keys.clone(), layer.values.clone()) for layer in s.cache.layers]  # [1, H_kv, T, D]
+            block = KVBlock([k for k, _ in layers], [v for _, v in layers], list(s.ids), self.p.rt.fingerprint)
         s.saves += 1
         generation = s.saves
 
@@ -118,7 +122,8 @@ class SavedSessions:
                 if generation < s.saves or self.is_deleted(s.id):
                     return  # a newer state is queued behind us, or the session was deleted meanwhile
                 try:
-                    await self.p.store.put(self._key(s), block)
+                    if block is not None:
+                        await self.p.store.put(self._key(s), block)
                     await self._defs.put(s.namespace + _SUFFIX, s.id, 1, doc)  # the document last
                 except Exception as e:  # persistence is best effort: the live session keeps working
                     log.warning("session %s not persisted: %s", s.id, e)
@@ -143,6 +148,8 @@ class SavedSessions:
             await self.delete(s)
             raise SessionNotFound(f"session {sid!r} expired: no turn for over {self.ttl_s:g} s "
                                   "(SKILLCACHE_SESSION_STORE_TTL_S); start a new one")
+        if not self.kv:
+            return s
         # a replica that served earlier turns may hold an older copy in its memory or disk tier: only the KV of
         # exactly these tokens will do (the newest is in the shared tier)
         block, _ = await self.p.store.get(self._key(s), accept=lambda b: b.token_ids == s.ids)

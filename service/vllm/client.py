@@ -122,5 +122,21 @@ class VllmClient:
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"vLLM at {self.base_url} failed a prefill ({type(e).__name__}: {e})") from e
 
+    async def choose(self, ids: list[int], choices: list[str], cache_salt: str, transfer: dict | None,
+                     max_tokens: int) -> str:
+        """Which of `choices` vLLM continues `ids` with, decoding greedily under its structured output `choice`."""
+        body = {"model": await self.served_model(), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                "cache_salt": cache_salt, "structured_outputs": {"choice": choices}}
+        if transfer:
+            body["kv_transfer_params"] = transfer
+        try:
+            r = await self.http.post("/v1/completions", json=body)
+            if r.status_code == 400:
+                raise InvalidRequest(f"vLLM refused the request: {r.text[:500]}")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"vLLM at {self.base_url} failed a choice ({type(e).__name__}: {e})") from e
+        return r.json()["choices"][0]["text"]
+
     async def close(self) -> None:
         await self.http.aclose()

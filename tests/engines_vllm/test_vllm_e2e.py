@@ -181,6 +181,32 @@ def test_a_corrupt_head_is_computed_by_vllm_not_served(vllm, embedded_runtime):
         w.close()
 
 
+def test_a_session_keeps_its_conversation_in_vllms_prefix_cache(client, vllm):
+    r = client.post("/v1/sessions", json={"skills": ["returns", "shipping"], "system": "You help customers."})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    turns = []
+    for user in ("Can I return a gift card?", "And how long does a refund take?"):
+        before = sources(vllm)
+        r = client.post(f"/v1/sessions/{sid}/turns", json={"user": user, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        turns.append((r.json()["usage"], delta(before, sources(vllm))))
+    (u1, m1), (u2, m2) = turns
+    assert m1["external_kv_transfer"] + m1["local_cache_hit"] == u1["reused_tokens"] > 100, (u1, m1)  # the head
+    assert m2["external_kv_transfer"] == 0 and m2["local_cache_hit"] == u2["reused_tokens"], (u2, m2)
+    assert u2["reused_tokens"] >= u1["prompt_tokens"] // 128 * 128 and u2["recomputed_tokens"] < 160, u2  # turn 1 kept
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
+
+
+def test_required_among_several_tools_is_a_call_of_one_of_them(client, vllm):
+    tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "string"}}}}}
+        for n, d in (("track_order", "Where an order is"), ("refund_order", "Refund an order"))]
+    out = compose(client, ["returns"], "Refund order 1234, please.", tools=tools, tool_choice="required")
+    assert out["finish_reason"] == "tool_calls" and len(out["tool_calls"]) >= 1, out
+    assert {c["function"]["name"] for c in out["tool_calls"]} <= {"track_order", "refund_order"}
+
+
 def test_vllm_killed_mid_stream_is_a_typed_error_then_recovers(client, vllm):
     with client.stream("POST", "/v1/compose", json={"skills": ["returns"], "user": "Write a long poem about refunds.",
                                                      "max_tokens": 400, "stream": True}) as r:

@@ -24,6 +24,17 @@ class FakeVllm:
     def __init__(self) -> None:
         self.sent: list[dict] = []
         self.up, self.loads = True, True
+        self.prefix_cache = False  # True: like vLLM's, per salt, in blocks of BLOCK tokens
+
+    BLOCK = 16
+
+    def _hit(self, ids: list[int], salt: str) -> int:
+        """Tokens of `ids` an earlier request under the same salt computed, in whole blocks."""
+        best = 0
+        for old in (x["ids"] for x in self.sent if x["salt"] == salt):
+            n = next((i for i, (a, b) in enumerate(zip(ids, old)) if a != b), min(len(ids), len(old)))
+            best = max(best, n // self.BLOCK * self.BLOCK)
+        return best
 
     async def health(self) -> bool:
         return self.up
@@ -31,11 +42,17 @@ class FakeVllm:
     async def stream(self, ids, gen, cache_salt, transfer, usage):
         if not self.up:
             raise EngineUnavailable("vLLM at fake is not answering")
-        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer})
         head = transfer["skillcache"]["n_tokens"] if transfer and self.loads else 0
+        if self.prefix_cache:
+            head = max(head, self._hit(ids, cache_salt))
+        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "max_tokens": gen.max_tokens})
         usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens = len(ids), head, 2
         yield Chunk("Hel", [1])
         yield Chunk("lo", [2], "stop")
+
+    async def choose(self, ids, choices, cache_salt, transfer, max_tokens) -> str:
+        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "choices": list(choices)})
+        return choices[-1]  # not the first: the choice is vLLM's
 
     async def prefill(self, ids, cache_salt) -> None:
         self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": None, "prefill": True})
@@ -150,13 +167,73 @@ def tool(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
 
 
-def test_what_vllm_does_not_serve_yet_is_501(env):
-    c, _, _, _ = env
-    r = c.post("/v1/sessions", json={"skills": ["a"]})
-    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_on_engine"
-    r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 2, "tools": [tool("f"), tool("g")],
+def turn(c, sid: str, user: str, **kw) -> dict:
+    r = c.post(f"/v1/sessions/{sid}/turns", json={"user": user, "max_tokens": 4, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_session_sends_each_turn_whole_under_its_heads_salt(env):
+    c, fake, _, _ = env
+    fake.prefix_cache = True
+    r = c.post("/v1/sessions", json={"skills": ["a", "b"], "system": "Be brief."})
+    assert r.status_code == 201, r.text
+    sid, created = r.json()["id"], fake.sent[-1]
+    assert created["max_tokens"] == 1 and created["transfer"] is not None  # turn 0: the head prefilled on vLLM
+    assert created["salt"].startswith("approx:default:")
+    assert r.json()["usage"]["reused_tokens"] == created["transfer"]["skillcache"]["n_tokens"]
+    first = turn(c, sid, "What now?")
+    t1 = fake.sent[-1]
+    assert t1["salt"] == created["salt"] and t1["ids"][: len(created["ids"])] == created["ids"]
+    assert t1["transfer"]["skillcache"] == created["transfer"]["skillcache"]  # the same head: published once
+    assert first["text"] == "Hello" and first["usage"]["reused_tokens"] >= created["transfer"]["skillcache"]["n_tokens"]
+    second = turn(c, sid, "And then?")
+    t2 = fake.sent[-1]
+    assert t2["salt"] == t1["salt"] and t2["ids"][: len(t1["ids"])] == t1["ids"]  # the conversation, whole
+    assert second["usage"]["prefix_tokens"] >= len(t1["ids"]) // FakeVllm.BLOCK * FakeVllm.BLOCK  # vLLM kept turn 1
+    assert second["usage"]["recomputed_tokens"] == len(t2["ids"]) - second["usage"]["reused_tokens"]
+    got = c.get(f"/v1/sessions/{sid}").json()
+    assert got["turns"] == 2 and [m["content"] for m in got["messages"] if m["role"] == "assistant"] == ["Hello"] * 2
+
+
+def test_a_session_on_vllm_edits_by_erratum_resumes_from_its_document_and_runs_full_on_the_exact_salt(env):
+    c, fake, _, _ = env
+    sid = c.post("/v1/sessions", json={"skills": ["a"]}).json()["id"]
+    turn(c, sid, "hi")
+    before = fake.sent[-1]
+    r = c.post("/v1/skills", json={"name": "f", "text": "The plan is {{plan}}. " + TEXT_B,
+                                   "fields": {"plan": "basic"}})
+    assert r.status_code in (200, 201), r.text
+    sid_f = c.post("/v1/sessions", json={"skills": ["f"]}).json()["id"]
+    head = fake.sent[-1]
+    out = turn(c, sid_f, "which plan?", fields={"plan": "gold"})
+    assert out["edits"][0]["fields"] == ["plan"] and fake.sent[-1]["salt"] == head["salt"]  # the head is unchanged
+    pipeline = c.app.state.skillcache.pipeline
+    assert "gold" in pipeline.rt.tokenizer.decode(fake.sent[-1]["ids"][len(head["ids"]):])  # the erratum, after it
+    sessions = c.app.state.skillcache.sessions
+    sessions.live.clear()  # another replica: the document is the whole session (vLLM holds its K/V)
+    c.portal.call(sessions.drain)
+    turn(c, sid, "again")
+    assert fake.sent[-1]["ids"][: len(before["ids"])] == before["ids"] and fake.sent[-1]["salt"] == before["salt"]
+    sid_full = c.post("/v1/sessions", json={"skills": ["a"], "mode": "full"}).json()["id"]
+    turn(c, sid_full, "hi")
+    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+
+
+def test_required_among_several_tools_is_vllms_choice_then_the_reply_continues_after_it(env):
+    c, fake, _, _ = env
+    r = c.post("/v1/compose", json={"skills": ["a"], "user": "hi", "max_tokens": 4, "tools": [tool("f"), tool("g")],
                                     "tool_choice": "required"})
-    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_on_engine"
+    assert r.status_code == 200, r.text
+    choice, reply = fake.sent[-2], fake.sent[-1]
+    assert [x.split('"')[0] for x in choice["choices"]] == ["f", "g"]
+    assert choice["salt"] == reply["salt"] and choice["transfer"] == reply["transfer"]  # the head, loaded either way
+    tail = reply["ids"][len(choice["ids"]):]
+    tok = c.app.state.skillcache.pipeline.rt.tokenizer
+    assert reply["ids"][: len(choice["ids"])] == choice["ids"] and tok.decode(tail).startswith('g"')
+    out = r.json()
+    assert out["usage"]["prompt_tokens"] == len(reply["ids"])
+    assert [t["function"]["name"] for t in out["tool_calls"]] == ["g"] and out["finish_reason"] == "tool_calls"
 
 
 def test_tools_and_memories_go_to_vllm_inside_the_head(env):
