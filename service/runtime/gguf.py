@@ -196,6 +196,7 @@ def _convert(src: GGUFSource, arch: str, target: Path, models_dir: Path) -> None
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["_name_or_path"] = src.name
+        config["architectures"] = [type(model).__name__]  # vLLM picks its model class by it (service/vllm/launch.py)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -52,7 +52,24 @@ def command(model: Path, port: int, heads_dir: Path | None, python: Path = VLLM_
            "--disable-uvicorn-access-log"]
     if heads_dir is not None:
         cmd += ["--kv-transfer-config", connector_config(heads_dir)]
+    arch = causal_lm_architecture(model)
+    if arch is not None:  # a folder converted before its config named one: vLLM would guess another head
+        cmd += ["--hf-overrides", json.dumps({"architectures": [arch]})]
     return cmd + list(extra or [])
+
+
+def causal_lm_architecture(model: Path) -> str | None:
+    """The causal-LM class for a folder whose config.json names no `architectures` (None when it names some): vLLM
+    otherwise picks by model_type alone, e.g. Gemma-3's text model as an embedding model."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("architectures"):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
 
 
 def environment(kv_cache_gib: int = 2, cores: str | None = None) -> dict[str, str]:
