@@ -55,10 +55,24 @@ esac
 TORCH_BUILD="$BASE" SKILLCACHE_EXTRAS='' PYTHON=python3 scripts/install.sh --deps-only /opt/venv
 EOF
 
+# The C++ kernels are built by the install script (service/runtime/native.py: one build per x86-64 level, picked at
+# start by what the CPU has): the builder needs a C++ compiler, the runtime stage gets the built files and no compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && rm -rf /var/lib/apt/lists/*
+
 COPY . /app
 RUN --mount=type=cache,target=/root/.cache/pip <<'EOF'
 set -eu
 TORCH_BUILD="$BASE" SKILLCACHE_EXTRAS='' PYTHON=python3 scripts/install.sh /opt/venv
+# The kernels the runtime stage copies (with /app/service): every variant built, or the image would run torch's ops.
+/opt/venv/bin/python - <<'PY'
+import json
+from service.runtime.native import KERNELS
+built = json.loads((KERNELS / "kernels.json").read_text())["variants"]
+assert all(state == "built" for state in built.values()), built
+print("kernels", built)
+PY
 mkdir -p /app/skills /app/clients
 # Check the install (-P: the installed package, not ./service): torch flavour matches BASE, the embedded model is
 # present, no test extras came along.

@@ -47,8 +47,15 @@ else
 fi
 pip="$python -m pip"
 
+kernels() {  # the C++ kernels, one build per x86-64 level (service/runtime/native.py); up to date: nothing is done
+  if ! $python -c "import setuptools" 2>/dev/null; then $pip install --quiet setuptools; fi
+  # a failed build is not a failed install: the service says so once at start and runs on torch's own ops
+  $python -m service.runtime.native build || echo "install.sh: the kernels did not build; torch's ops will serve" >&2
+}
+
 want="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh 2>/dev/null | sha256sum | cut -c1-16)-$extras"
 if [ "$deps_only" = 0 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  kernels  # their sources may have changed since
   exit 0
 fi
 
@@ -95,4 +102,5 @@ fi
 if [ -f clients/python/pyproject.toml ]; then
   if [ -n "$extras" ]; then $pip install --quiet -e clients/python; else $pip install --quiet ./clients/python; fi
 fi
+kernels
 echo "$want" > "$stamp"

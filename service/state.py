@@ -11,6 +11,7 @@ from typing import Any
 from service import metrics
 from service.config import Settings
 from service.errors import NotReady, ServiceError
+from service.phases import Phases
 from service.compose.pipeline import ComposePipeline
 from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
@@ -47,6 +48,7 @@ class AppState:
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
         self._ready = False  # model loaded, self-check passed, shipped skills registered
+        self.phases = Phases()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._load())
@@ -61,10 +63,11 @@ class AppState:
                 from service.runtime import build_runtime
 
                 # on the engine's thread: it owns torch's threads, and what compiles at load compiles for them
-                self.runtime = await self.engine.run(lambda cancelled: build_runtime(self.settings))
+                self.runtime = await self.engine.run(lambda cancelled: build_runtime(self.settings, self.phases))
             from service.runtime.selfcheck import run_selfcheck
 
-            report = await self.engine.run(lambda cancelled: run_selfcheck(self.runtime))
+            with self.phases("self-check"):
+                report = await self.engine.run(lambda cancelled: run_selfcheck(self.runtime))
             self.selfcheck = report.to_dict()
             if not report.ok:
                 log.error("self-check failed: %s", self.selfcheck)
@@ -83,11 +86,14 @@ class AppState:
             self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine)
             self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()
-            await self._preload_skills()
+            with self.phases("shipped skills: registering and compiling"):
+                await self._preload_skills()
             self._ready = True
         except Exception as e:
             log.exception("startup failed")
             self.load_error = f"{type(e).__name__}: {e}"
+        finally:
+            self.phases.finish(self._ready)
 
     async def _preload_skills(self) -> None:
         folder = self.settings.skills_dir
@@ -144,6 +150,8 @@ class AppState:
             "skills_preloaded": self.preload,
             "error": self.load_error,
             "engine": self.settings.engine,
+            "phase": self.phases.current,  # while not ready: what the start-up is doing
+            "startup_s": self.phases.took,
         }
         engine_ok = True
         if self.pipeline is not None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 from service.config import Settings
 
 log = logging.getLogger(__name__)
 
 
-def build_runtime(settings: Settings):
+def build_runtime(settings: Settings, phase=None):
     """Load the configured model and return a ModelRuntime with its fingerprint. The service calls it on the serving
-    engine's thread, which owns torch's threads (service/runtime/threads.py) and then runs every forward."""
+    engine's thread, which owns torch's threads (service/runtime/threads.py) and then runs every forward. `phase`:
+    service/phases.py's Phases (a context per start-up phase), or None."""
+    phase = phase or (lambda name: nullcontext())
     from service.runtime.engine import ModelRuntime
     from service.runtime.fingerprint import model_fingerprint
     from service.runtime.loader import load_model
@@ -30,7 +33,8 @@ def build_runtime(settings: Settings):
             what = "SKILLCACHE_QUANTIZATION=int8" if settings.quantization == "int8" else "SKILLCACHE_DTYPE=bfloat16"
             log.warning("%s: %s", what, why)
     digests = settings.home / "fingerprints.json"  # file hashes, shared by GGUF conversion and the fingerprint
-    loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
+    with phase("loading the model (a GGUF is converted once, on the first start)"):
+        loaded = load_model(settings.model, settings.models_dir, settings.device, settings.dtype, digests)
     loaded.chat_template = use_chat_template(loaded, settings.chat_template)  # before the fingerprint: it hashes it
     if settings.quantization != "none":
         from service.runtime.quantize import quantize_linears
@@ -39,12 +43,13 @@ def build_runtime(settings: Settings):
     elif settings.packed_decode:
         from service.runtime.packed import pack_linears
 
-        counts = pack_linears(loaded.model)
+        with phase("kernels: loading the prebuilt ones, packing and checking the linears"):
+            counts = pack_linears(loaded.model)
         if counts:
-            from service.runtime.native import extension
+            from service.runtime import native
 
-            log.info("packed decode: %s linears run decode steps on their blocks (kernels: %s)", counts,
-                     extension().isa())
+            log.info("packed decode: %s linears run decode steps on their blocks (kernels %s, %s path)", counts,
+                     native.loaded, native.extension().isa())
     fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests,
                            quantization=settings.quantization)
     return ModelRuntime(loaded, fp, kernel_attention=settings.attention_kernel)

@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from service.runtime.native import extension
+from service.runtime.native import KernelsUnavailable, extension
 
 log = logging.getLogger(__name__)
 NAME = "skillcache_few_queries"
@@ -87,7 +87,7 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # a forward under it builds sd
 
 
 def usable(model) -> bool:
-    """Whether `model`'s forwards can run under kernel_attention: CPU, float32, sdpa, and the kernel builds here."""
+    """Whether `model`'s forwards can run under kernel_attention: CPU, float32, sdpa, and the kernels serve here."""
     global _usable
     cfg = model.config.get_text_config(decoder=True)
     if model.device.type != "cpu" or model.dtype != torch.float32 or cfg._attn_implementation != "sdpa":
@@ -96,7 +96,9 @@ def usable(model) -> bool:
         try:
             _check()
             _usable = True
-        except Exception as e:  # noqa: BLE001 - no C++ compiler or ninja, an unsupported platform: torch's sdpa
+        except KernelsUnavailable:  # said once by native.py: torch's sdpa
+            _usable = False
+        except Exception as e:  # noqa: BLE001 - the kernel disagreed with sdpa here: torch's sdpa
             log.warning("attention kernel off: %s; forwards use transformers' sdpa", e)
             _usable = False
     return _usable

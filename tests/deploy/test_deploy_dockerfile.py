@@ -211,6 +211,7 @@ def test_dockerignore_keeps_what_the_build_needs(path):
     ".pytest_cache/v/cache", "deploy/helm/skillcache/values.yaml", "model.safetensors", "skills/a/model.gguf",
     "scripts/ensure-redis.sh", ".cache/skillcache/models/x", "clients/python/.venv/bin/python",
     "clients/python/build/lib/x.py", "service/.env",
+    "service/runtime/kernels/skillcache_native_v3.so", "service/runtime/kernels/kernels.json",
 ])
 def test_dockerignore_drops_the_rest(path):
     assert dockerignore_excludes(RULES, path)
