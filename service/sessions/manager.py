@@ -18,12 +18,12 @@ from service.compose.edits import check_fields, plan_edit
 from service.compose.tooluse import ToolsPrep, check_block_size
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.compose.pipeline import ComposePipeline, Final, SkillRef
-from service.runtime.late import late_turn_steps
 from service.runtime.params import Delta, Done, GenParams
+from service.sessions.embedded_turns import EmbeddedTurns, late_index
 from service.sessions.engine_turns import EngineTurns, relay
 from service.sessions.saved import SavedSessions, Session
 from service.tools.conversation import link_results
-from service.tools.events import parsed, tool_calls_of
+from service.tools.events import tool_calls_of
 from service.tools.spec import Tool, ToolChoice, ToolsParams, tools_params
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class SessionManager:
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
         self.saved = SavedSessions(pipeline, self.live)
-        self.engine_turns = EngineTurns(pipeline)
+        self.engine_turns = EngineTurns(pipeline)  # vLLM: the engine keeps the conversation
+        self.embedded_turns = EmbeddedTurns(pipeline, memories)  # this process keeps each session's cache
         self._loading: dict[tuple[str, str], asyncio.Task] = {}  # (namespace, id) -> its resume in progress
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -176,72 +177,23 @@ class SessionManager:
 
                 def ended(final: Final, usage: dict, timings: dict) -> Final:
                     s.ids = ids + (tools.tail_ids if tools is not None else []) + final.done.token_ids
-                    memory = late.report(box["pre"].seams, _late_index(plan, late)) if late else None
+                    memory = late.report(box["pre"].seams, late_index(plan, late)) if late else None
                     return self._ended(s, messages, fields, changed, errata, final.done, usage, timings, tools,
                                        memory)
 
                 out = relay(events, box, ended, s.lock.release)
             else:
-                events = await self._run_turn(s, ids, gen, tools, (plan, late) if late else None, t0)
-                out = self._finish(s, messages, fields, changed, errata, events)
+                run = await self.embedded_turns.start(s, ids, gen, tools, (plan, late) if late else None, t0)
+
+                def ended(done: Done, usage: dict, timings: dict, memory) -> Final:
+                    return self._ended(s, messages, fields, changed, errata, done, usage, timings, tools, memory)
+
+                out = self.embedded_turns.relay(s, run, ended)
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
             s.lock.release()
             raise
         return out
-
-    async def _run_turn(self, s: Session, ids: list[int], gen: GenParams, tools: ToolsPrep | None, late=None,
-                        t0: float | None = None):
-        """`late`: (plan, LateMemory) when the session floats a memory before the user turn."""
-        t0 = time.perf_counter() if t0 is None else t0
-        box: dict = {"ids": ids, "late": late, "store_ms": (time.perf_counter() - t0) * 1e3}
-        cached_ids, s.ids = s.ids, []  # until the turn ends, the cache is trusted for no ids: it is being extended
-
-        def on_prefilled(pre) -> None:  # on the engine
-            box.update(ttft_ms=(time.perf_counter() - t0) * 1e3, reused=pre.n_reused + pre.n_prefix,
-                       recomputed=pre.n_recomputed, composed=pre.n_reused if late else 0, seams=pre.seams)
-
-        chunk = self.p.settings.prefill_chunk_tokens
-        if late is not None:
-            steps = late_turn_steps(self.rt, s.cache, cached_ids, late[0], late[1].blocks, late[1].seams, chunk)
-        else:
-            steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=chunk)
-        n_prompt = len(ids)
-        if tools is not None:
-            steps, n_prompt = tools.steps(self.rt, steps), n_prompt + tools.extra_tokens()
-        job = self.p.engine.submit_sequence(steps, gen, n_prompt, keep_cache=True, on_prefilled=on_prefilled)
-        stream = job.stream()
-        first = await anext(stream)
-        events = _after(first, stream)
-        parser = tools.parser() if tools is not None else None
-        return (parsed(events, parser) if parser is not None else events), stream, box, t0, job, tools
-
-    async def _finish(self, s: Session, messages, fields, changed, errata, run) -> AsyncIterator[Delta | Final]:
-        events, stream, box, t0, job, tools = run
-        try:
-            yield None  # turn() starts us here: an async generator closed before it started runs no `finally`
-            async for item in events:
-                if isinstance(item, Done):
-                    # the cache holds every forwarded token: the last sampled one may not be
-                    s.cache = job.cache
-                    tail = tools.tail_ids if tools is not None else []  # a tool chosen for `required`
-                    ids = box["ids"] + tail + item.token_ids
-                    if box["late"] is not None:  # the memory leaves the conversation's cache: floated again next turn
-                        ids = await self.memories.leave(s.cache, ids, box["late"][0].late_span)
-                    s.ids = ids[: s.cache.get_seq_length()]
-                    usage = {"prompt_tokens": box["reused"] + box["recomputed"], "reused_tokens": box["reused"],
-                             "composed_tokens": box["composed"], "prefix_tokens": box["reused"] - box["composed"],
-                             "recomputed_tokens": box["recomputed"], "completion_tokens": len(item.token_ids)}
-                    timings = {"ttft_ms": round(box["ttft_ms"], 2), "compose_ms": round(box["ttft_ms"], 2),
-                               "store_ms": round(box["store_ms"], 2),
-                               "total_ms": round((time.perf_counter() - t0) * 1e3, 2)}
-                    memory = box["late"][1].report(box["seams"], _late_index(*box["late"])) if box["late"] else None
-                    yield self._ended(s, messages, fields, changed, errata, item, usage, timings, tools, memory)
-                    return
-                yield item
-        finally:
-            s.lock.release()
-            await stream.aclose()  # a client gone mid-reply: stop generating now
 
     def _ended(self, s: Session, messages, fields, changed, errata, done: Done, usage: dict, timings: dict, tools,
                memory) -> Final:
@@ -320,15 +272,3 @@ class SessionManager:
         s = self.live.get(sid, s)  # a waiter before us may have admitted it already
         self._admit(s)
         return s
-
-
-async def _after(first, stream: AsyncIterator) -> AsyncIterator:
-    """`first`, then the rest of `stream`."""
-    yield first
-    async for item in stream:
-        yield item
-
-
-def _late_index(plan, late) -> int:
-    """The index of the first late block: they are the plan's last skill segments, after the skills and tools."""
-    return [seg for seg in plan.segments if seg.kind == "skill"][-len(late.blocks)].skill_index
