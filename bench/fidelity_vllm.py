@@ -6,7 +6,8 @@ engine's on the same cases; and refined heads' greedy continuations against vLLM
 One vLLM server (float32, skillcache's connector) and two skillcache services on the same weights: one with
 SKILLCACHE_ENGINE=vllm, one embedded; refinement off in both (every case composed). Cases: the shipped skills in
 orders of two and three, each with a user turn. For each case:
-  reference  vLLM alone computes the whole prompt (a salt no other request uses): its top-1 first token
+  reference  vLLM alone computes the whole prompt (a salt no other request uses): its top-1 first token and its
+             first --case-tokens greedy tokens (a base model may open every reply alike: the text tells more)
   vllm       skillcache on vLLM, composed (the head loaded through the connector)
   embedded   skillcache's own engine, composed
 `--refined`: then each order once more through skillcache on vLLM with refinement on, after vLLM has prefilled its
@@ -62,7 +63,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=24)
     ap.add_argument("--refined", type=int, default=4, help="orders checked after refinement (0: none)")
-    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--greedy-tokens", type=int, default=32, help="refined heads: greedy tokens compared")
+    ap.add_argument("--case-tokens", type=int, default=16,
+                    help="each case: greedy tokens compared with vLLM's full prefill (beside the first token's top-1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="embedded", help="SKILLCACHE_MODEL of both services (a .gguf: converted once)")
     ap.add_argument("--chat-template", default=None, help="SKILLCACHE_CHAT_TEMPLATE (gemma for Gemma-3-270M)")
@@ -97,14 +100,17 @@ def main() -> None:
             svc.wait_ready(900)
         for order, user in cases:
             ids = prompts.ids(order, user)
-            ref, ref_text = vllm_first(vllm.url, ids, 1, f"reference-{uuid.uuid4()}")
-            tv, _, uv = skillcache_first(on_vllm.url, order, user, 1)
-            te, _, ue = skillcache_first(embedded.url, order, user, 1)
+            n = args.case_tokens
+            ref, ref_text = vllm_first(vllm.url, ids, n, f"reference-{uuid.uuid4()}")
+            tv, text_v, uv = skillcache_first(on_vllm.url, order, user, n)
+            te, text_e, ue = skillcache_first(embedded.url, order, user, n)
             out["cases"].append({"order": list(order), "user": user, "n_ids": len(ids), "reference": ref,
                                  "vllm": tv, "embedded": te, "vllm_composed": uv["composed_tokens"],
-                                 "embedded_composed": ue["composed_tokens"]})
+                                 "embedded_composed": ue["composed_tokens"], "reference_text": ref_text,
+                                 "vllm_text": text_v, "embedded_text": text_e})
             print(f"{len(out['cases']):3d} {ref!r:14} vllm {tv!r:14} embedded {te!r:14} "
-                  f"(composed {uv['composed_tokens']}/{uv['prompt_tokens']})", flush=True)
+                  f"(composed {uv['composed_tokens']}/{uv['prompt_tokens']}); greedy-{n} identical: "
+                  f"vllm {text_v == ref_text}, embedded {text_e == ref_text}", flush=True)
         on_vllm.stop()
         if args.refined:
             refined = ServiceProcess(home / "sc-vllm-refined", {**base, "SKILLCACHE_REFINE_AFTER": "1",
@@ -136,13 +142,16 @@ def main() -> None:
         shutil.rmtree(home, ignore_errors=True)
     n = len(out["cases"])
     out["agreement"] = {"n": n, "vllm": sum(c["vllm"] == c["reference"] for c in out["cases"]),
-                        "embedded": sum(c["embedded"] == c["reference"] for c in out["cases"])}
+                        "embedded": sum(c["embedded"] == c["reference"] for c in out["cases"]),
+                        "vllm_text": sum(c["vllm_text"] == c["reference_text"] for c in out["cases"]),
+                        "embedded_text": sum(c["embedded_text"] == c["reference_text"] for c in out["cases"])}
     out["refined_identical"] = sum(r["identical"] for r in out["refined"])
     out["elapsed_s"] = time.perf_counter() - t0
     write_json(args.json, out)
     a = out["agreement"]
     print(f"first-token top-1 agreement with vLLM's full prefill over {n} cases: skillcache on vLLM {a['vllm']}/{n}, "
-          f"embedded {a['embedded']}/{n}; refined heads greedy-{args.greedy_tokens} identical "
+          f"embedded {a['embedded']}/{n}; greedy-{args.case_tokens} texts identical: on vLLM {a['vllm_text']}/{n}, "
+          f"embedded {a['embedded_text']}/{n}; refined heads greedy-{args.greedy_tokens} identical "
           f"{out['refined_identical']}/{len(out['refined'])}")
 
 
