@@ -1,4 +1,4 @@
-"""A multi-turn agent session vs full re-prefill every turn (METHOD.md section 5).
+"""A multi-turn agent session vs full re-prefill every turn (arXiv 2606.17107, agents and sessions).
 
     python bench/agent.py --json bench/out/agent.json [--turns 10] [--skill refund-policy]
 

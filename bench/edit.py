@@ -2,7 +2,7 @@
 
     python bench/edit.py --json bench/out/edit.json [--model embedded | <HF id or dir>] [--device auto]
 
-The paper's gated-decision shape (METHOD.md section 2): each task is a skill with a field near the
+The paper's gated-decision shape (arXiv 2606.17107, on errata): each task is a skill with a field near the
 top, a rule that gates a one-word decision on it, filler clauses, and a question. The field changes
 from a value that gates action A to one that gates action B. At the first answer position:
 score = logit[first token of B] - logit[first token of A]; recovery = (score_edit - score_stale) /

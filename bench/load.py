@@ -8,7 +8,7 @@ Defaults (rates 0.2, 0.5, 1 req/s and closed loop with 4 clients, 12 requests pe
 about 11-12 minutes with the embedded model on a quiet 2-core CPU (a ~2.5k-token full prefill costs
 3-5 s there, so the in_place and full arms saturate at about 0.2-0.3 req/s); --deadline-s (900) bounds it.
 
-Like the paper's serving benchmark (METHOD.md section 6), scaled to a CPU and the embedded model:
+Like the paper's serving benchmark (arXiv 2606.17107: vLLM, Qwen3-8B, Poisson arrivals), scaled to a CPU and the embedded model:
 
   policy  a ~2.4k-token policy skill (refund-policy + tool-specs + style-guide, registered as one
           skill `bench-policy`) with the field `order_status` near the top; every request carries a

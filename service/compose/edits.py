@@ -1,4 +1,5 @@
-"""Field edits on cached skills (METHOD.md section 2): which tokens to recompute, which errata to add.
+"""Field edits on cached skills (the erratum of arXiv 2606.17107, "Models Take Notes at Prefill"): which tokens to
+recompute, which errata to add.
 
 Modes, per skill whose requested field values differ from the compiled defaults:
   erratum        keep the cached block, append one [STATE UPDATE] line per changed field (default)

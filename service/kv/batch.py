@@ -2,8 +2,8 @@
 
 Why this layout (measured, docs/BENCHMARKS.md "Engine"): a batched decode forward needs every running sequence's
 K/V as one `[B, H_kv, T, D]` tensor. Stacking the requests' own caches every step copies all of them per layer per
-step (what DynamicCache's torch.cat already costs for one row, engine.md section 5); transformers' continuous
-batching cannot start a request from spliced K/V (engine.md section 1). So the rows live here, right-padded:
+step (what DynamicCache's torch.cat already costs for one row); transformers' continuous batching (5.24)
+cannot start a request from spliced K/V: its requests begin from token ids. So the rows live here, right-padded:
 row b holds its sequence at columns 0..len_b-1, column == position (a composed cache is positional), and the
 step's new token goes to column len_b. A sequence's K/V is copied in once when it joins (after its prefill) and a
 row is moved once when another leaves (the last row fills the hole), never per step. The buffers grow (to a power-of-two

@@ -16,7 +16,7 @@ class GrowLayer(DynamicLayer):
     """A full per-token cache layer whose K/V live in a buffer with spare room: an append writes in place.
 
     DynamicLayer.update `torch.cat`s the whole layer on every call (a fresh allocation and a full copy per layer
-    per step: for batched CPU decode as costly as reading the weights, engine.md section 5). Here the buffer grows
+    per step: for batched CPU decode as costly as reading the weights). Here the buffer grows
     geometrically (or once, to what `reserve` says the request needs) and `keys` / `values` are views of its
     filled part, `[B, H_kv, n, D]`. Views returned earlier keep their contents while later tokens are appended;
     only `crop` followed by an append overwrites what they show.
