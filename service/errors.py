@@ -14,6 +14,12 @@ class ServiceError(Exception):
         self.details = details
 
 
+class InternalError(ServiceError):
+    """Our own invariant failed: a bug here, not the client's fault (500, with the request id to find it in the log)."""
+
+    status, error_type = 500, "internal_error"
+
+
 class InvalidRequest(ServiceError):
     status, error_type = 422, "invalid_request"
 
@@ -106,10 +112,6 @@ class NotReady(ServiceError):
 
 class ModelLoadError(ServiceError):
     status, error_type = 500, "model_load_failed"
-
-
-class StoreFailure(ServiceError):
-    status, error_type = 503, "store_unavailable"
 
 
 class EngineUnavailable(ServiceError):

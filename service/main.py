@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, Request
 
 from service import __version__
 from service.api.auth import Authenticator, authenticate
-from service.api.errors import install_error_handlers
+from service.api.errors import install_error_handlers, request_id
 from service.api.limits import BodyLimitMiddleware
 from service.api.routes import chat, compose, health, memories, sessions, skills
 from service.api.routes.playground import install_playground
@@ -49,7 +49,9 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
+        rid = request_id(request)  # X-Request-ID: the client's, or one made here; on every response
         response = await call_next(request)
+        response.headers.setdefault("X-Request-ID", rid)
         route = request.scope.get("route")
         principal = getattr(request.state, "principal", None)
         REQUESTS.labels(getattr(route, "path", "unmatched"), str(response.status_code),

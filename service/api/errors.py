@@ -1,8 +1,14 @@
-"""The one place where errors become HTTP: {"error": {"type": <stable error_type>, "message": ...}}."""
+"""The one place where errors become HTTP: {"error": {"type": <stable error_type>, "message": ..., "request_id": ...}}.
+
+Every error the service raises is a ServiceError (service/errors.py; the store's too) carrying its status and type.
+The request id (the client's `X-Request-ID`, or one made here; echoed in every response's header) names a 500 in the
+log, so a report of our own bug can be found."""
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,16 +17,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import ServiceError
 from service.metrics import ERRORS
-from service.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded", 415: "unsupported_media_type"}
 
 
-def error_response(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def request_id(request: Request) -> str:
+    """This request's id: the client's X-Request-ID when it is a plain token, else one made now (kept on the request)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id", "")
+        rid = request.state.request_id = given if _CLIENT_ID.fullmatch(given) else f"req-{secrets.token_hex(8)}"
+    return rid
+
+
+def error_response(status: int, error_type: str, message: str, headers: dict | None = None,
+                   rid: str | None = None) -> JSONResponse:
     ERRORS.labels(error_type).inc()
-    return JSONResponse({"error": {"type": error_type, "message": message}}, status_code=status, headers=headers)
+    body = {"type": error_type, "message": message}
+    if rid is not None:
+        body["request_id"] = rid
+        headers = {**(headers or {}), "X-Request-ID": rid}
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
 def error_payload(exc: BaseException) -> dict:
@@ -32,16 +54,15 @@ def error_payload(exc: BaseException) -> dict:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError):
-        return error_response(exc.status, exc.error_type, exc.message, exc.headers)
-
-    @app.exception_handler(StoreError)
-    async def _store(_: Request, exc: StoreError):
-        status = 507 if exc.error_type == "store_write_failed" else 503
-        return error_response(status, exc.error_type, str(exc))
+    async def _service(request: Request, exc: ServiceError):
+        rid = request_id(request)
+        if exc.status >= 500 and exc.error_type == "internal_error":
+            log.error("internal error (request %s): %s", rid, exc.message, exc_info=exc)
+            return error_response(500, "internal_error", f"internal error ({exc.message}); report request {rid}", rid=rid)
+        return error_response(exc.status, exc.error_type, exc.message, exc.headers, rid)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         parts = []
         for e in exc.errors()[:5]:
             if e.get("type") == "json_invalid":  # its loc is a character offset, not a field
@@ -51,15 +72,19 @@ def install_error_handlers(app: FastAPI) -> None:
             # field names and list indices only: union members ("constrained-int", "literal['auto']") are pydantic's
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and (isinstance(x, int) or x.isidentifier()))
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body")
+        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body", rid=request_id(request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
+        rid = request_id(request)
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. invalid UTF-8): a bad body, like any other
-            return error_response(422, "invalid_request", f"the request body is not valid JSON in UTF-8 ({exc.detail})")
-        return error_response(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail))
+            return error_response(422, "invalid_request", f"the request body is not valid JSON in UTF-8 ({exc.detail})",
+                                  rid=rid)
+        return error_response(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail),
+                              getattr(exc, "headers", None), rid)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        log.exception("unhandled error")
-        return error_response(500, "internal_error", "internal error; see the server log")
+    async def _unexpected(request: Request, exc: Exception):
+        rid = request_id(request)
+        log.exception("unhandled error (request %s)", rid)
+        return error_response(500, "internal_error", f"internal error; report request {rid}", rid=rid)

@@ -26,6 +26,7 @@ class Strict(BaseModel):
 class ErrorBody(BaseModel):
     type: str
     message: str
+    request_id: str | None = Field(None, description="the request's X-Request-ID (given, or made by the service)")
 
 
 class ErrorResponse(BaseModel):

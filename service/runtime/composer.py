@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from service.errors import InvalidRequest
+from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, new_cache
 from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
@@ -47,13 +47,13 @@ class Composer:
         prompt's end) into the empty cache; return the segments after it (a text segment cut at N keeps its rest)."""
         n = prefix.n_tokens
         if plan.ids[:n] != prefix.token_ids or n >= plan.n_tokens:
-            raise InvalidRequest("internal: the prefix's ids differ from the prompt's, or leave nothing to run")
+            raise InternalError("the prefix's ids differ from the prompt's, or leave nothing to run")
         start = 0
         for i, seg in enumerate(plan.segments):
             end = start + len(seg.ids)
             if end > n:
                 if start < n and seg.kind != "text":
-                    raise InvalidRequest("internal: a prefix may not end inside a skill block")
+                    raise InternalError("a prefix may not end inside a skill block")
                 rest = [Segment("text", seg.ids[n - start:])] if start < n else [seg]
                 break
             start = end
@@ -123,7 +123,7 @@ class Composer:
                 continue
             block = blocks[seg.skill_index]
             if len(block.token_ids) != len(seg.ids):
-                raise InvalidRequest("internal: block ids differ from the prompt's skill ids")
+                raise InternalError("block ids differ from the prompt's skill ids")
             # spans run through the model with the prompt's ids: the seam, then any edited field spans
             seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
             if seg.skill_index == exact_first and not seg.recompute:  # edited: tokens after the edit are stale
@@ -131,7 +131,7 @@ class Composer:
             seams_used[seg.skill_index] = min(seam, block.n_tokens)
             spans = _merge([(0, seams_used[seg.skill_index]), *seg.recompute])
             if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
-                raise InvalidRequest("internal: block ids differ from the prompt's skill ids outside edited spans")
+                raise InternalError("block ids differ from the prompt's skill ids outside edited spans")
             start, cursor = pos, 0  # start: the block's offset in the prompt
             for s, e in spans + [(block.n_tokens, block.n_tokens)]:
                 if s > cursor:  # copy block tokens [cursor, s), moved to start + i
@@ -142,7 +142,7 @@ class Composer:
                 pending.extend(seg.ids[s:e])
                 pos, cursor = start + e, max(cursor, e)
         if not pending:
-            raise InvalidRequest("internal: the prompt must end with text after the last skill")
+            raise InternalError("the prompt must end with text after the last skill")
         deferred = defer_tail and len(pending) <= tail_limit
         t1 = time.perf_counter()
         logits = None if deferred else (yield from self.rt.forward_steps(pending, pos - len(pending), cache, chunk))

@@ -30,6 +30,7 @@ from service.errors import ModelLoadError, UnsupportedModel
 from service.runtime.fingerprint import file_digest
 
 log = logging.getLogger(__name__)
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the embedded model's file in its wheel (runtime/loader.py)
 PROGRESS_EVERY_S = 15.0
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> size
 _STRING, _ARRAY = 8, 9
@@ -131,8 +132,6 @@ def conversion_origin(d: Path) -> str | None:
     try:
         return json.loads(text).get("origin")
     except ValueError:  # before this format: one line holding the embedded GGUF's path
-        from service.runtime.loader import EMBEDDED_GGUF
-
         return "embedded" if text.strip().endswith(EMBEDDED_GGUF) else None
 
 

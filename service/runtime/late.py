@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from service.errors import InvalidRequest
+from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, block_from_cache, new_cache, truncate
 from service.kv.rope import KeyRotator
@@ -39,7 +39,7 @@ def late_turn_steps(rt, cache: DynamicCache, cached_ids: list[int], plan: Prompt
     re-prefills its head in full, as extend_steps does. `rotator`: the no-rotation control of bench/memory.py.
     """
     if plan.late_span is None or len(seam_tokens) != len(blocks):
-        raise InvalidRequest("internal: a late turn needs a plan with a late span and one seam per block")
+        raise InternalError("a late turn needs a plan with a late span and one seam per block")
     t0 = time.perf_counter()
     rotator = rotator or rt.rotator
     ids, late_start = plan.ids, plan.late_span[0]
@@ -56,7 +56,7 @@ def late_turn_steps(rt, cache: DynamicCache, cached_ids: list[int], plan: Prompt
             continue
         block, seam = blocks[j], min(seam_tokens[j], len(seg.ids))
         if block.token_ids != seg.ids:
-            raise InvalidRequest("internal: a late block's ids differ from the prompt's")
+            raise InternalError("a late block's ids differ from the prompt's")
         pending.extend(seg.ids[:seam])
         if pending:
             yield from rt.forward_steps(pending, seg_start + seam - len(pending), cache, chunk)
@@ -67,7 +67,7 @@ def late_turn_steps(rt, cache: DynamicCache, cached_ids: list[int], plan: Prompt
         seams[seg.skill_index] = seam
         j += 1
     if j != len(blocks) or not pending:
-        raise InvalidRequest("internal: the late blocks must all be in the plan, with text after the last")
+        raise InternalError("the late blocks must all be in the plan, with text after the last")
     logits = yield from rt.forward_steps(pending, pos - len(pending), cache, chunk)
     timings = {"prefill_ms": (time.perf_counter() - t0) * 1e3, "rotate_ms": t_rotate * 1e3}
     return PrefillResult(cache, logits, len(ids), n_reused, len(ids) - n_reused - lcp, timings, lcp, seams)
@@ -85,9 +85,9 @@ def inplace_block_steps(rt, block: KVBlock, new_ids: list[int], start: int, old_
     is (the paper, arXiv 2606.17107, on errata: it barely moves a decision that later tokens had already taken notes on).
     """
     if new_ids[:start] != block.token_ids[:start] or new_ids[new_end:] != block.token_ids[old_end:]:
-        raise InvalidRequest("internal: an in-place edit must keep the block's ids outside the edited span")
+        raise InternalError("an in-place edit must keep the block's ids outside the edited span")
     if block.base not in (0, len(rt.anchor)):
-        raise InvalidRequest("internal: the block was compiled after another anchor")
+        raise InternalError("the block was compiled after another anchor")
     cache = new_cache(rt.model.config, reserve_tokens=block.base + len(new_ids))
     if block.base:
         rt._append_anchor(cache)  # L x [1, H_kv, A, D], the opening every block is compiled after

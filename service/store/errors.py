@@ -1,6 +1,8 @@
-"""Store exceptions. Each carries a stable `error_type` that the API layer maps to HTTP."""
+"""Store exceptions: ServiceErrors like every other, with their HTTP status and stable `error_type`."""
 
 from __future__ import annotations
+
+from service.errors import ServiceError
 
 # Stable reasons for CorruptBlock (also the `reason` label of STORE_CORRUPT).
 REASON_FORMAT = "format"  # not a parsable safetensors payload / manifest, or fields missing
@@ -14,28 +16,28 @@ REASON_CHUNKS = "chunks"  # Redis: a chunk missing, or size / sha256 of the payl
 REASON_STALE = "stale"  # written by an older payload format: a clean miss, never counted as corruption
 
 
-class StoreError(Exception):
+class StoreError(ServiceError):
     """Base of every store error."""
 
-    error_type: str = "store_error"
+    status, error_type = 503, "store_error"
 
 
 class StoreUnavailable(StoreError):
     """A backend cannot be reached (Redis down, timeout, unreadable disk)."""
 
-    error_type = "store_unavailable"
+    status, error_type = 503, "store_unavailable"
 
 
 class StoreWriteError(StoreError):
     """A backend refused a write (disk full, read-only, permission, Redis OOM). Reads may still work."""
 
-    error_type = "store_write_failed"
+    status, error_type = 507, "store_write_failed"
 
 
 class CorruptBlock(StoreError):
     """A stored block failed verification. `reason` is one of the REASON_* strings."""
 
-    error_type = "corrupt_block"
+    status, error_type = 503, "corrupt_block"
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"corrupt block ({reason}){': ' + detail if detail else ''}")
