@@ -16,8 +16,12 @@ from redis_server import RedisServer, redis_or_skip
 from service.errors import SessionNotFound
 from service.runtime.params import GenParams
 from service.sessions.saved import SavedSessions, Session
-from service.store import (DiskBlockStore, DiskDefinitionStore, MemoryBlockStore, RedisBlockStore,
-                           RedisDefinitionStore, TieredStore)
+from service.store.definitions import DiskDefinitionStore
+from service.store.definitions_redis import RedisDefinitionStore
+from service.store.disk import DiskBlockStore
+from service.store.memory import MemoryBlockStore
+from service.store.redis import RedisBlockStore
+from service.store.tiered import TieredStore
 
 POLICY = "Refunds are allowed within 30 days. The order status is {{status}}. Deny refunds for shipped orders."
 

@@ -21,16 +21,16 @@ from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
 from service.compose.tooluse import ToolsPrep, check_block_size
 from service.engines.embedded import EmbeddedEngine
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord
 from service.runtime.params import Delta, Done, GenParams
 from service.store.key import BlockKey
-from service.store.tiered import TieredStore
 from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
+    from service.store.tiered import TieredStore
     from service.runtime.engine import ModelRuntime, PrefillResult
     from service.runtime.serving import ServingEngine
 
@@ -88,7 +88,7 @@ class Final:
 
 class ComposePipeline:
     def __init__(self, settings: Settings, runtime: ModelRuntime, registry: SkillRegistry,
-                 store: TieredStore, engine: "ServingEngine") -> None:
+                 store: "TieredStore", engine: "ServingEngine") -> None:
         self.settings = settings
         self.rt = runtime
         self.registry = registry

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 from service.store.key import BlockKey
 
 if TYPE_CHECKING:

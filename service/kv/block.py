@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-LAYOUT_VERSION = 2  # bump when the meaning of stored tensors changes (2: blocks carry their base position)
+from service.kv.layout import LAYOUT_VERSION  # noqa: F401 - stored blocks carry it
 
 
 @dataclass

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 from service import metrics
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 from service.memory.edits import inplace_layout
 from service.memory.record import MemoryBlock
-from service.runtime.late import inplace_block_steps
 from service.store.key import BlockKey
 
 
@@ -46,6 +45,8 @@ class MemoryKV:
                 layout = inplace_layout(self.rt.prompts, old_text, patch["text"], patch["label"])
                 if isinstance(layout, str):  # checked when the edit was made: only a changed tokenizer gets here
                     raise RuntimeError(f"in-place edit of {patch['label']!r} no longer applies: {layout}")
+                from service.runtime.late import inplace_block_steps  # torch: the API imports this module
+
                 out = await self.engine.run_steps(inplace_block_steps(self.rt, prev, *layout, chunk=self.chunk))
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return out

@@ -16,7 +16,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from service.errors import InvalidMemory, LimitExceeded, MemoryConflict, MemoryNotFound, Overloaded
-from service.kv.cache import remove_span
 from service.memory.document import parse_facts, split_blocks
 from service.memory.edits import FactEdit, apply_edits
 from service.memory.kv import MemoryKV
@@ -169,6 +168,8 @@ class MemoryRegistry:
         """After a turn: take the memory span out of the session's cache (on the engine), so the conversation's
         K/V holds no memory and the next turn floats it again; returns the ids the cache holds then. The turn's
         own tokens after the span keep what they read from it (service.kv.cache.remove_span)."""
+        from service.kv.cache import remove_span  # torch: on the engine's side only
+
         start, end = span
         try:
             await self.kv.engine.run(lambda cancelled: remove_span(cache, start, end, self.kv.rt.rotator))

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from service.errors import LimitExceeded, SkillNotFound
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 from service.registry.skill import SkillRecord, check_fields, check_skill_name, content_hash, render, text_hash
 from service.store.definitions import DefinitionStore
 from service.store.key import BlockKey

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 
 log = logging.getLogger(__name__)
 _CHUNK = 8 * 1024 * 1024

@@ -21,16 +21,17 @@ from collections.abc import Callable
 from typing import Any
 
 import greenlet
-import torch
 
 log = logging.getLogger(__name__)
 _PARKED = object()
 _running: "Resumable | None" = None  # the background step the model thread is running now (None: live code)
 
 
-def install(model: torch.nn.Module) -> int:
+def install(model) -> int:
     """A checkpoint before every decoder layer of `model` (the children of its `...layers` ModuleLists) that has
     none yet; returns how many it added. A model without layers found still works: its background steps run whole."""
+    import torch  # when a model is bound: the API imports the serving engine without torch
+
     layers = [layer for name, module in model.named_modules()
               if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" for layer in module]
     n = 0

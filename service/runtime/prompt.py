@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _SENTINEL = "\x00{}\x00"
 _SENTINEL_RE = re.compile("\x00(\\d+)\x00")
@@ -80,7 +81,7 @@ class PromptPlan:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase") -> None:
         self.tok = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from service.runtime.late import late_turn_steps
 from service.runtime.params import Delta, Done, GenParams
 from service.tools.events import parsed
 
@@ -31,6 +30,7 @@ class EmbeddedTurns:
 
         chunk = self.p.settings.prefill_chunk_tokens
         if late is not None:
+            from service.runtime.late import late_turn_steps  # torch: the API imports this module
             steps = late_turn_steps(self.rt, s.cache, cached_ids, late[0], late[1].blocks, late[1].seams, chunk)
         else:
             steps = self.rt.extend_steps(s.cache, cached_ids, ids, chunk=chunk)

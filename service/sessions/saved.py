@@ -14,7 +14,7 @@ from typing import Any
 
 from service import metrics
 from service.errors import SessionNotFound
-from service.kv.block import LAYOUT_VERSION
+from service.kv.layout import LAYOUT_VERSION
 from service.store.key import BlockKey
 
 log = logging.getLogger(__name__)

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.kv.quant import roundtrip_block
-from service.store.base import BlockStore
 from service.store.definitions import DefinitionStore, DiskDefinitionStore, MemoryDefinitionStore
 from service.store.definitions_cache import CachedDefinitionStore
 from service.store.definitions_redis import RedisDefinitionStore
-from service.store.disk import DiskBlockStore
-from service.store.memory import MemoryBlockStore
-from service.store.redis import RedisBlockStore
-from service.store.tiered import TieredStore
+
+if TYPE_CHECKING:
+    from service.store.base import BlockStore
+    from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
 
 def build_store(settings: Settings, *, redis_connect_timeout_s: float = 2.0, redis_op_timeout_s: float = 5.0,
-                retry_interval_s: float = 2.0) -> tuple[TieredStore, DefinitionStore]:
+                retry_interval_s: float = 2.0) -> tuple["TieredStore", DefinitionStore]:
     """memory: memory tier + in-memory definitions (tests).
     disk (default): memory + disk (<store_dir>/blocks); definitions on disk (<store_dir>/skills).
     redis: memory + disk + redis; definitions in Redis.
     Nothing connects here: Redis is reached on first use, so a down Redis does not block startup.
     """
+    # the block tiers hold tensors (torch): imported when a store is built, not with this module (the API imports it)
+    from service.kv.quant import roundtrip_block
+    from service.store.disk import DiskBlockStore
+    from service.store.memory import MemoryBlockStore
+    from service.store.redis import RedisBlockStore
+    from service.store.tiered import TieredStore
+
     tiers: list[BlockStore] = [MemoryBlockStore(settings.memory_cache_bytes)]
     definitions: DefinitionStore
     if settings.store == "memory":

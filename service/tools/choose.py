@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from service.kv.cache import truncate
 from service.tools.formats import CallFormat
 from service.tools.spec import ToolChoice, ToolsParams
 
@@ -37,6 +36,8 @@ def candidates(fmt: CallFormat, params: ToolsParams, encode) -> list[Candidate]:
 def choose_steps(rt, steps, options: list[Candidate], on_choice):
     """`steps` (a prefill returning a PrefillResult whose prompt ends just before a name), then the scoring: returns
     the PrefillResult of the prompt with the chosen candidate's ids appended; on_choice(candidate) is called first."""
+    from service.kv.cache import truncate  # on the engine: the API imports this module without torch
+
     pre = yield from steps
     n = pre.n_prompt
     scores = []
