@@ -78,11 +78,22 @@ def test_context_too_long(skills):
     assert r.status_code == 422 and r.json()["error"]["type"] == "context_too_long"
 
 
-def test_sampling_is_seeded(skills):
-    body = {"skills": ["a"], "user": "hi", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 7}
-    a = skills.post("/v1/compose", json=body).json()["text"]
-    b = skills.post("/v1/compose", json=body).json()["text"]
-    assert a == b
+def test_sampling_follows_temperature_top_p_and_seed(skills):
+    """A seed reproduces its text; other seeds give other texts (the tiny model's random weights spread the
+    distribution: 8 greedy-identical texts would mean temperature or seed is ignored); top_p near 0 keeps only the
+    most likely token, so any seed gives the greedy text."""
+    base = {"skills": ["a"], "user": "hi", "max_tokens": 8}
+
+    def text(**kw) -> str:
+        r = skills.post("/v1/compose", json={**base, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    greedy = text(temperature=0.0)
+    sampled = [text(temperature=1.0, top_p=1.0, seed=seed) for seed in range(8)]
+    assert text(temperature=1.0, top_p=1.0, seed=3) == sampled[3]  # one seed, one text
+    assert len(set(sampled)) >= 4 and any(t != greedy for t in sampled), sampled
+    assert {text(temperature=1.0, top_p=1e-6, seed=seed) for seed in range(3)} == {greedy}
 
 
 def test_logprobs(skills):
