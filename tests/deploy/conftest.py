@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deploy_helpers import HelmRenderer
+from deploy_helpers import missing
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +21,7 @@ def render(helm_renderer):
     """helm_renderer.render, with config.SKILLCACHE_ALLOW_NO_AUTH "1" added when the values configure no API keys
     (without either the chart refuses to render: tests/deploy/test_deploy_helm.py, test_no_keys_fails)."""
     if not helm_renderer.available:
-        pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
+        missing("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
 
     def render(values: dict | None = None):
         values = dict(values or {})

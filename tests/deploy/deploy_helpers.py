@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +32,17 @@ NAMESPACE = "ns"
 def load_yaml(path: Path):
     with open(path) as f:
         return yaml.safe_load(f)
+
+
+REQUIRE_TOOLS = "SKILLCACHE_REQUIRE_DEPLOY_TOOLS"  # .ci/run sets it: every check of the deployment files runs there
+
+
+def missing(why: str):
+    """A checker this machine lacks: the test skips, or fails where REQUIRE_TOOLS=1 (CI), so no check goes unrun
+    there unnoticed."""
+    if os.environ.get(REQUIRE_TOOLS) == "1":
+        pytest.fail(f"{why}, and {REQUIRE_TOOLS}=1")
+    pytest.skip(why)
 
 
 def tool(name: str) -> str | None:

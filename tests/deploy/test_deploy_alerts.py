@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from deploy_helpers import REPO, load_yaml, tool
+from deploy_helpers import missing
 from metric_names import METRICS, expr_problems
 
 ALERTS_FILE = REPO / "deploy" / "prometheus" / "alerts.yml"
@@ -51,7 +52,7 @@ def test_required_alerts():
 def _promtool() -> str:
     promtool = tool("promtool")
     if not promtool:
-        pytest.skip("promtool not installed (Debian: apt-get install --no-install-recommends prometheus)")
+        missing("promtool not installed (Debian: apt-get install --no-install-recommends prometheus)")
     return promtool
 
 

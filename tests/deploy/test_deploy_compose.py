@@ -14,15 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 import yaml
 
 from deploy_helpers import REPO, load_yaml, parse_duration
+from deploy_helpers import missing
 
 BASE = load_yaml(REPO / "docker-compose.yml")
 GPU = load_yaml(REPO / "docker-compose.gpu.yml")
 VLLM = load_yaml(REPO / "docker-compose.vllm.yml")
-REQUIRE_ENV = "SKILLCACHE_REQUIRE_COMPOSE"
 
 
 def test_redis_service():
@@ -92,9 +91,7 @@ def _cli_or_skip() -> tuple[list[str], int]:
     cli = _compose_cli()
     if not cli:
         why = "no Docker Compose CLI (`docker compose` plugin, or docker-compose: apt-get install docker-compose)"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{why}, and {REQUIRE_ENV}=1")
-        pytest.skip(why)
+        missing(why)
     return cli
 
 
@@ -255,7 +252,7 @@ def test_vllm_override_names_only_real_settings():
 def test_vllm_override_yamllint():
     probe = subprocess.run([sys.executable, "-m", "yamllint", "--version"], capture_output=True)
     if probe.returncode != 0:
-        pytest.skip("yamllint not installed (pip install yamllint)")
+        missing("yamllint not installed (pip install yamllint)")
     config = ("{extends: default, rules: {line-length: {max: 120}, document-start: disable, "
               "truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}")
     proc = subprocess.run([sys.executable, "-m", "yamllint", "-f", "parsable", "-d", config,

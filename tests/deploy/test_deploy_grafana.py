@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from deploy_helpers import CHART, REPO, tool
+from deploy_helpers import missing
 from metric_names import METRICS, expr_problems, series_in
 
 DASHBOARD_FILE = REPO / "deploy" / "grafana" / "skillcache.json"
@@ -93,7 +94,7 @@ def test_layout_and_template_variables():
 def test_queries_parse_with_promtool(tmp_path):
     promtool = tool("promtool")
     if not promtool:
-        pytest.skip("promtool not installed (Debian: apt-get install --no-install-recommends prometheus)")
+        missing("promtool not installed (Debian: apt-get install --no-install-recommends prometheus)")
     rules = [{"record": f"skillcache:dashboard:{i}",
               "expr": re.sub(r"\$__rate_interval", "5m", t["expr"]).replace("$job", ".*").replace("$instance", ".*")}
              for i, (_, t) in enumerate(TARGETS)]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from deploy_helpers import CHART, NAMESPACE, REPO, RenderError, load_yaml
+from deploy_helpers import missing
 
 VALUES = load_yaml(CHART / "values.yaml")
 TEMPLATES = {p.name: p.read_text() for p in (CHART / "templates").iterdir()}
@@ -109,13 +110,6 @@ def test_chart_alerts_are_the_prometheus_alerts():
 
 # ------------------------------------------------------------------------------------------------------------
 # Rendered
-
-
-def test_renderer(helm_renderer):
-    """Reports which renderer ran (or why the rendering tests skip)."""
-    if not helm_renderer.available:
-        pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
-    print(f"rendering with {helm_renderer.name}")
 
 
 def test_defaults(render):
@@ -341,7 +335,7 @@ def test_helm_lint(helm_renderer):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return
     if not helm_renderer.sdk:
-        pytest.skip("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
+        missing("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
     code = (
         "import json, sys, helm_python as h; "
         "r = h.lint(sys.argv[1], strict=True); "
@@ -363,7 +357,7 @@ def test_rendered_yaml_is_plain(render):
 def test_no_keys_fails_at_render_time_with_what_to_set(helm_renderer):
     """Without keys the pods would crash-loop (the service refuses 0.0.0.0 without auth): say so at install."""
     if not helm_renderer.available:
-        pytest.skip("no Helm renderer")
+        missing("no Helm renderer")
     with pytest.raises(RenderError) as err:
         helm_renderer.render({})
     assert "apiKeys.existingSecret" in str(err.value) and "SKILLCACHE_ALLOW_NO_AUTH" in str(err.value)
