@@ -9,7 +9,7 @@ from tiny import tiny_runtime
 
 def make_client(tmp_path, runtime=None, **overrides) -> TestClient:
     # background model work off by default here (timing-dependent results): random weights say nothing about
-    # fidelity (tests/test_guard.py); prefix refinement has its own tests (tests/test_refine.py)
+    # fidelity (tests/compose/test_guard.py); prefix refinement has its own tests (tests/compose/test_refine.py)
     base = {"home": tmp_path, "store": "disk", "skills_dir": None, "seam_auto": False, "shadow_sample_rate": 0.0,
             "refine_after": 0}
     settings = Settings(**{**base, **overrides})

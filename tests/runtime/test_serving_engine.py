@@ -196,7 +196,11 @@ async def test_background_work_gets_its_share_under_load_and_all_when_idle(rt):
         assert 0.15 < share < 0.35, share
         await stream.aclose()
         bg.cancel_event.set()
-        assert await eng.run_steps(bg_steps(3), background=True) == "done"
+        busy = metrics.ENGINE_BUSY.labels("background")
+        busy0, t0 = busy._value.get(), time.monotonic()
+        assert await eng.run_steps(bg_steps(200), background=True) == "done"
+        wall = time.monotonic() - t0 - eng.config.background_idle_s  # it waits that long after the last live step
+        assert busy._value.get() - busy0 >= 0.8 * wall, (busy._value.get() - busy0, wall)  # idle: back to back
     finally:
         eng.stop()
 

@@ -69,7 +69,7 @@ def test_broken_composition_is_caught_and_served_by_full_prefill(tmp_path, embed
 
         from skillcache_client.skillfile import parse_skill_file
 
-        root = Path(__file__).resolve().parents[1] / "skills"
+        root = Path(__file__).resolve().parents[2] / "skills"
         for name in ("tool-specs", "refund-policy"):
             spec = parse_skill_file(root / f"{name}.md")
             c.post("/v1/skills", json={"name": name, "text": spec["text"], "fields": spec["fields"]})
