@@ -185,16 +185,20 @@ def test_a_session_keeps_its_conversation_in_vllms_prefix_cache(client, vllm):
     r = client.post("/v1/sessions", json={"skills": ["returns", "shipping"], "system": "You help customers."})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
+    head = r.json()["usage"]["reused_tokens"]  # the composed head, prefilled on vLLM at creation
+    long_turn = "I bought a jacket, two shirts and a pair of boots last month. " * 12 + "Can I return the boots?"
     turns = []
-    for user in ("Can I return a gift card?", "And how long does a refund take?"):
+    for user in (long_turn, "And how long does the refund take?"):
         before = sources(vllm)
         r = client.post(f"/v1/sessions/{sid}/turns", json={"user": user, "max_tokens": 8})
         assert r.status_code == 200, r.text
         turns.append((r.json()["usage"], delta(before, sources(vllm))))
     (u1, m1), (u2, m2) = turns
-    assert m1["external_kv_transfer"] + m1["local_cache_hit"] == u1["reused_tokens"] > 100, (u1, m1)  # the head
-    assert m2["external_kv_transfer"] == 0 and m2["local_cache_hit"] == u2["reused_tokens"], (u2, m2)
-    assert u2["reused_tokens"] >= u1["prompt_tokens"] // 128 * 128 and u2["recomputed_tokens"] < 160, u2  # turn 1 kept
+    assert head > 100 and m1["external_kv_transfer"] + m1["local_cache_hit"] == u1["reused_tokens"] >= head
+    assert u1["prompt_tokens"] > 256 and m2["external_kv_transfer"] + m2["local_cache_hit"] == u2["reused_tokens"]
+    # turn 1's long message is in vLLM's prefix cache: turn 2 computes only what follows its last whole block
+    assert m2["local_cache_hit"] >= u1["prompt_tokens"] // 128 * 128 > head, (u1, u2, m2)
+    assert m2["local_compute"] == u2["recomputed_tokens"] < 128 + 40
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
 
 
@@ -202,8 +206,10 @@ def test_required_among_several_tools_is_a_call_of_one_of_them(client, vllm):
     tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
         "type": "object", "properties": {"order_id": {"type": "string"}}}}}
         for n, d in (("track_order", "Where an order is"), ("refund_order", "Refund an order"))]
-    out = compose(client, ["returns"], "Refund order 1234, please.", tools=tools, tool_choice="required")
-    assert out["finish_reason"] == "tool_calls" and len(out["tool_calls"]) >= 1, out
+    out = compose(client, ["returns"], "Refund order 1234, please.", tools=tools, tool_choice="required",
+                  max_tokens=64)
+    # the reply opens with a call of the chosen tool; the model may go on to more calls until max_tokens
+    assert out["finish_reason"] in ("tool_calls", "length") and len(out["tool_calls"]) >= 1, out
     assert {c["function"]["name"] for c in out["tool_calls"]} <= {"track_order", "refund_order"}
 
 
