@@ -68,6 +68,8 @@ class FidelityGuard:
         from service.runtime.calibrate import calibration_steps
 
         k = str(key)
+        t0 = time.perf_counter()
+        log.info("calibrating the seam of block %s (%d tokens), in the background ...", k, len(block.token_ids))
         try:
             cal = await self.run_background(calibration_steps(
                 self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
@@ -76,6 +78,8 @@ class FidelityGuard:
                 return  # the engine's background backlog was full: a later request schedules it again
             block.meta["calibration"] = json.dumps(cal.to_dict())
             metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
+            log.info("calibrated block %s in %.1f s: %s", k, time.perf_counter() - t0,
+                     f"seam {cal.seam} tokens" if cal.passed else "no seam passed, the whole block is recomputed")
             async with self._writing:
                 if not self._current(k, since):
                     return  # its skill was deleted meanwhile: don't write the block back
