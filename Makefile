@@ -4,7 +4,7 @@ PORT ?= 8000
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run run-vllm test test-fast screenshot clean
+.PHONY: install run run-vllm test test-fast lint screenshot clean
 
 install:
 	@scripts/install.sh $(VENV)
@@ -21,6 +21,10 @@ test: install
 	@scripts/ensure-chromium.sh || echo "note: chromium unavailable; the playground's browser test will be skipped"
 	@scripts/install-vllm.sh || echo "note: vLLM's CPU build unavailable; the vLLM engine's tests will be skipped"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml; .ci/run runs it before the tests
+lint: install
+	$(PY) -m ruff check service bench tests clients
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

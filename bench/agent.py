@@ -75,10 +75,12 @@ def main() -> None:
                                                            "max_tokens": args.max_tokens}).json()
             same_first = full_done.text.split()[:1] == r["text"].split()[:1]
             rows.append({"turn": turn + 1, "status": status, "erratum": bool(errata), "prompt_tokens": plan.n_tokens,
-                         "session_recomputed": r["usage"]["recomputed_tokens"], "session_ttft_ms": r["timings"]["ttft_ms"],
+                         "session_recomputed": r["usage"]["recomputed_tokens"],
+                         "session_ttft_ms": r["timings"]["ttft_ms"],
                          "full_ttft_ms": full_ms, "first_word_agree": same_first,
                          "reply_identical": full_done.text == r["text"]})
-            print(f"turn {turn + 1:2d} status={status:9s} prompt={plan.n_tokens:5d} recomputed={rows[-1]['session_recomputed']:4d} "
+            print(f"turn {turn + 1:2d} status={status:9s} prompt={plan.n_tokens:5d} "
+                  f"recomputed={rows[-1]['session_recomputed']:4d} "
                   f"session={r['timings']['ttft_ms']:7.1f} ms full={full_ms:7.1f} ms agree={same_first} "
                   f"identical={rows[-1]['reply_identical']}", flush=True)
     cum_session = create_ms + sum(x["session_ttft_ms"] for x in rows)

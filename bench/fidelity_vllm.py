@@ -92,7 +92,8 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         vllm.start().wait_ready(900)
-        on_vllm = ServiceProcess(home / "sc-vllm", {**base, "SKILLCACHE_ENGINE": "vllm", "SKILLCACHE_VLLM_URL": vllm.url,
+        on_vllm = ServiceProcess(home / "sc-vllm", {**base, "SKILLCACHE_ENGINE": "vllm",
+                                                    "SKILLCACHE_VLLM_URL": vllm.url,
                                                     "SKILLCACHE_VLLM_HEADS_DIR": str(home / "heads")},
                                  name="skillcache-vllm", threads=2).start()
         embedded = ServiceProcess(home / "sc-embedded", base, name="embedded", threads=2).start()

@@ -3,9 +3,11 @@
     python bench/formats.py --json bench/out/formats.json
 
 Formats (SKILLCACHE_DTYPE / SKILLCACHE_QUANTIZATION / SKILLCACHE_PACKED_DECODE): float32 (float32 matmuls
-everywhere); packed (the default: float32, decode steps on the GGUF's own Q4_1/Q8_0 blocks, service/runtime/packed.py); bfloat16; int8 (weight-only int8 linear layers,
+everywhere); packed (the default: float32, decode steps on the GGUF's own Q4_1/Q8_0 blocks,
+service/runtime/packed.py); bfloat16; int8 (weight-only int8 linear layers,
 bfloat16 products, float32 elsewhere: service/runtime/quantize.py); w8a8 (int8 weights and per-token int8
-activations); each quantized one also with bfloat16 elsewhere (+bf16, K/V included). For each, in one process, the embedded model:
+activations); each quantized one also with bfloat16 elsewhere (+bf16, K/V included). For each, in one process,
+the embedded model:
   speed    a --prefill-tokens full prefill (one forward), and the decode step of the serving engine's batch
            (bench/decode.py's batched arm) at --contexts and --batch
   quality  part a of bench/fidelity.py (nine compositions of the shipped skills): each format's full prefill

@@ -8,7 +8,8 @@ Defaults (rates 0.2, 0.5, 1 req/s and closed loop with 4 clients, 12 requests pe
 about 11-12 minutes with the embedded model on a quiet 2-core CPU (a ~2.5k-token full prefill costs
 3-5 s there, so the in_place and full arms saturate at about 0.2-0.3 req/s); --deadline-s (900) bounds it.
 
-Like the paper's serving benchmark (arXiv 2606.17107: vLLM, Qwen3-8B, Poisson arrivals), scaled to a CPU and the embedded model:
+Like the paper's serving benchmark (arXiv 2606.17107: vLLM, Qwen3-8B, Poisson arrivals), scaled to a CPU and the
+embedded model:
 
   policy  a ~2.4k-token policy skill (refund-policy + tool-specs + style-guide, registered as one
           skill `bench-policy`) with the field `order_status` near the top; every request carries a
@@ -40,7 +41,8 @@ runs full prefills on the same single worker in the background (a seam calibrati
 compile, shadow checks of 2% of compose requests), and so does prefix refinement (a repeated skill
 sequence prefilled in full, then served exact); they stall whatever request arrives meanwhile. A
 service started here runs with all of it off (SKILLCACHE_SEAM_AUTO=false, SKILLCACHE_SHADOW_SAMPLE_RATE=0,
-SKILLCACHE_REFINE_AFTER=0) unless --guard; against --url the script waits (--settle-s) for the used skills' calibrations and
+SKILLCACHE_REFINE_AFTER=0) unless --guard; against --url the script waits (--settle-s) for the used skills'
+calibrations and
 reports, per arm, how many guard jobs ran (column bg).
 On a shared CPU, run the service with --server-threads 1: oversubscribed OpenMP threads make the small
 forwards of compose and decode 10-30x slower.
@@ -386,7 +388,8 @@ def row_line(s: dict) -> str:
 def print_tables(rows: list[dict]) -> None:
     print("\nTTFT / e2e in seconds (client side, from the scheduled arrival); srvTTFT = the server's ttft_ms p50;\n"
           "hit = skill blocks from a tier / all; reuse = reused / prompt tokens; exact = prompt tokens from refined\n"
-          "skill sequences; bg = the service's shadow checks and seam calibrations during the arm (they hold the worker)")
+          "skill sequences; bg = the service's shadow checks and seam calibrations during the arm "
+          "(they hold the worker)")
     print(HEADER)
     for s in rows:
         print(row_line(s))
@@ -490,7 +493,8 @@ def main() -> None:
     ap.add_argument("--start", action="store_true", help="start `python -m service` on a free port (the default)")
     ap.add_argument("--model", help="SKILLCACHE_MODEL for the started service (default: its own default)")
     ap.add_argument("--src", help="run the started service from this source tree (e.g. a checkout of an older commit)")
-    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE", help="env for the started service (it does not inherit SKILLCACHE_* from this shell)")
+    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="env for the started service (it does not inherit SKILLCACHE_* from this shell)")
     ap.add_argument("--server-threads", type=int, default=0,
                     help="OMP_NUM_THREADS for the started service (0: inherit). On a shared CPU use 1: "
                          "oversubscribed OpenMP threads make composes and decode steps much slower")

@@ -288,7 +288,8 @@ def main(argv=None) -> None:
     print("agreement with vLLM alone (arm a):", json.dumps(out["agreement"]))
     for eng, run in out["runs"].items():
         if "vllm_sources_a" in run:
-            print(f"vLLM prompt tokens by source, arm a, {eng}:", {k: round(v) for k, v in run["vllm_sources_a"].items()})
+            print(f"vLLM prompt tokens by source, arm a, {eng}:",
+                  {k: round(v) for k, v in run["vllm_sources_a"].items()})
     print("p50 TTFT ratios, vllm / skillcache-vllm: " + ", ".join(
         f"{arm} {pct_ratio(out['runs'], arm)}" for arm in "ab"))
 

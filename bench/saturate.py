@@ -26,7 +26,8 @@ ARMS = {"default": [], "serial": ["SKILLCACHE_MAX_RUNNING_SEQS=1"],
         "c512": ["SKILLCACHE_PREFILL_CHUNK_TOKENS=512", "SKILLCACHE_STEP_TOKEN_BUDGET=1024"],
         "bigchunk": ["SKILLCACHE_PREFILL_CHUNK_TOKENS=4096", "SKILLCACHE_STEP_TOKEN_BUDGET=8192"]}
 ORDERS = list(itertools.permutations(["refund-policy", "tool-specs", "style-guide"]))
-_METRIC = re.compile(r'^(skillcache_(?:engine_step_seconds|decode_tokens_total|engine_batch_size)\w*)(\{[^}]*\})?\s+(\S+)$')
+_METRIC = re.compile(r'^(skillcache_(?:engine_step_seconds|decode_tokens_total|engine_batch_size)\w*)'
+                     r'(\{[^}]*\})?\s+(\S+)$')
 
 
 def metrics(url: str) -> dict:

@@ -51,7 +51,8 @@ def _key(block: KVBlock) -> BlockKey:
 def _stats(put: list[float], get: list[float], nbytes: int) -> dict[str, float]:
     p, g = statistics.median(put), statistics.median(get)
     mb = nbytes / 1e6
-    return {"put_s": p, "get_s": g, "put_mb_s": mb / p if p else float("inf"), "get_mb_s": mb / g if g else float("inf")}
+    return {"put_s": p, "get_s": g, "put_mb_s": mb / p if p else float("inf"),
+            "get_mb_s": mb / g if g else float("inf")}
 
 
 async def _time_tier(store: BlockStore, block: KVBlock, repeats: int) -> dict[str, float]:

@@ -43,7 +43,8 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     app.include_router(health.router)  # /livez, /readyz, /metrics: open
     install_playground(app)  # /ui: static files, open (they hold no data; the page calls /v1 with its key)
     auth_errors = {c: {"model": ErrorResponse} for c in (401, 403, 429)}
-    for r in (skills.router, compose.router, sessions.router, chat.router, memories.router):  # every /v1 route needs a key
+    # every /v1 route needs a key
+    for r in (skills.router, compose.router, sessions.router, chat.router, memories.router):
         app.include_router(r, dependencies=[Depends(authenticate)], responses=auth_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

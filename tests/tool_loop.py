@@ -101,7 +101,8 @@ def check_loop(turns: list) -> None:
     (m1, f1, u1, x1), (m2, f2, u2, x2), (m3, f3, u3, x3) = turns
     assert [t.function.name for t in m1.tool_calls] == ["get_weather"] and f1 in ("tool_calls", "length")
     assert [t.function.name for t in m2.tool_calls] == ["get_time"] and f2 in ("tool_calls", "length")
-    assert all(isinstance(t.function.arguments, str) and t.id.startswith("call_") for t in m1.tool_calls + m2.tool_calls)
+    assert all(isinstance(t.function.arguments, str) and t.id.startswith("call_")
+               for t in m1.tool_calls + m2.tool_calls)
     tools = [x["skillcache"]["tools"] for x in (x1, x2, x3)]
     print("turns:", [(f, u.prompt_tokens, u.prompt_tokens_details.cached_tokens, t["source"]) for f, u, t in
                      zip((f1, f2, f3), (u1, u2, u3), tools)], "calls:",

@@ -27,7 +27,8 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def request_id(request: Request) -> str:
-    """This request's id: the client's X-Request-ID when it is a plain token, else one made now (kept on the request)."""
+    """This request's id: the client's X-Request-ID when it is a plain token, else one made now (kept on the
+    request)."""
     rid = getattr(request.state, "request_id", None)
     if rid is None:
         given = request.headers.get("x-request-id", "")
@@ -58,7 +59,8 @@ def install_error_handlers(app: FastAPI) -> None:
         rid = request_id(request)
         if exc.status >= 500 and exc.error_type == "internal_error":
             log.error("internal error (request %s): %s", rid, exc.message, exc_info=exc)
-            return error_response(500, "internal_error", f"internal error ({exc.message}); report request {rid}", rid=rid)
+            return error_response(500, "internal_error", f"internal error ({exc.message}); report request {rid}",
+                                  rid=rid)
         return error_response(exc.status, exc.error_type, exc.message, exc.headers, rid)
 
     @app.exception_handler(RequestValidationError)
@@ -72,7 +74,8 @@ def install_error_handlers(app: FastAPI) -> None:
             # field names and list indices only: union members ("constrained-int", "literal['auto']") are pydantic's
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and (isinstance(x, int) or x.isidentifier()))
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body", rid=request_id(request))
+        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body",
+                              rid=request_id(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -129,7 +129,8 @@ class ComposePipeline:
         async def compile_fn():
             t0 = time.perf_counter()
             ids = token_ids()  # only on a miss: hits never re-tokenize
-            block = await self.engine.run_steps(self.rt.compile_block_steps(ids, chunk=self.settings.prefill_chunk_tokens))
+            block = await self.engine.run_steps(
+                self.rt.compile_block_steps(ids, chunk=self.settings.prefill_chunk_tokens))
             metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
             return block
 

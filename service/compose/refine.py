@@ -111,7 +111,8 @@ class PrefixRefiner:
             end, k, count = target
             self._pending.add(k)
             shorter = [e for e in self.heads(plan) if e < end]
-            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter, self._priority(k, end - n_prefix))):
+            if not self.guard.spawn(self._refine(namespace, plan.ids[:end], shorter,
+                                                 self._priority(k, end - n_prefix))):
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
 
     def _priority(self, k: str, tokens: int) -> Callable[[], float]:

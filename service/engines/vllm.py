@@ -135,7 +135,8 @@ class VllmEngine:
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
         if h:
             digest = head_digest(self.rt.fingerprint, ns, plan, h, prep.seams)
-            if digest not in self._exact:  # else refined: vLLM's exact prefix, computed by it once (no head, exact salt)
+            # else refined: vLLM's exact prefix, computed by it once (no head, exact salt)
+            if digest not in self._exact:
                 salt = approx_salt(ns, digest)
                 ref = self.pool.lookup(digest)
                 if ref is not None and not self.pool.acquire(ref):
@@ -143,8 +144,8 @@ class VllmEngine:
                 t0 = time.perf_counter()
                 if ref is None:
                     composed = await self.serving.run_steps(self.rt.prefill_steps(
-                        plan, prep.blocks, mode="compose", seam_tokens=prep.seams, chunk=self.settings.prefill_chunk_tokens,
-                        defer_tail=True, tail_limit=HEAD_TAIL))
+                        plan, prep.blocks, mode="compose", seam_tokens=prep.seams,
+                        chunk=self.settings.prefill_chunk_tokens, defer_tail=True, tail_limit=HEAD_TAIL))
                     layers = composed.cache.layers
                     t1 = time.perf_counter()
                     ref = self.pool.publish(plan.ids[:h], [la.keys for la in layers], [la.values for la in layers],

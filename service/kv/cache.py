@@ -31,7 +31,8 @@ class GrowLayer(DynamicLayer):
         self.n, cap = 0, self.reserve_tokens
         with torch.inference_mode(False):  # a normal tensor: written in place inside inference mode and outside it
             self._k = key_states.new_zeros((*key_states.shape[:2], cap, key_states.shape[3]))  # [B, H_kv, cap, D]
-            self._v = value_states.new_zeros((*value_states.shape[:2], cap, value_states.shape[3]))  # [B, H_kv, cap, Dv]
+            # [B, H_kv, cap, Dv]
+            self._v = value_states.new_zeros((*value_states.shape[:2], cap, value_states.shape[3]))
         self.keys, self.values = self._k, self._v
         self.is_initialized = True
 

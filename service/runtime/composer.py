@@ -78,7 +78,8 @@ class Composer:
         """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
         forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
 
-        compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the model
+        compose: text segments and the first `seam_tokens` (one int, or one per skill) of each block run through the
+        model
         against the real preceding context; the rest of each block is re-rotated from its
         canonical copy. full: the token-identical full recompute of plan.ids.
         A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
@@ -87,7 +88,8 @@ class Composer:
         copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
         decode), so its buffers are allocated once. `defer_tail` (compose): a last text run of at most
         `tail_limit` (default DEFERRED_TAIL_TOKENS) is not run: the result's `tail` holds it and `logits` is None (the
-        serving engine runs the tails of requests that compose in the same step as one forward, service/kv/batch_tail.py;
+        serving engine runs the tails of requests that compose in the same step as one forward,
+        service/kv/batch_tail.py;
         the vLLM engine leaves the whole tail to vLLM).
         """
         t0 = time.perf_counter()

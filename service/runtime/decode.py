@@ -75,7 +75,8 @@ class TokenStream:
         if len(self.ids) - self._offset > _WINDOW and not window.endswith("\ufffd"):
             cut = len(self.ids) - _WINDOW // 2
             head = self.tok.decode(self.ids[self._offset:cut], skip_special_tokens=True)
-            if not head.endswith("\ufffd") and head + self.tok.decode(self.ids[cut:], skip_special_tokens=True) == window:
+            if (not head.endswith("\ufffd")
+                    and head + self.tok.decode(self.ids[cut:], skip_special_tokens=True) == window):
                 self._fixed, self._offset = self._fixed + head, cut
         return text
 

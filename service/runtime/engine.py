@@ -162,7 +162,8 @@ class ModelRuntime:
         exact prefix of `ids` already refined; only the tokens after it are prefilled."""
         k = 0
         cache = new_cache(self.model.config, reserve_tokens=len(ids))
-        if held is not None and held.base == 0 and 0 < held.n_tokens < len(ids) and ids[:held.n_tokens] == held.token_ids:
+        if (held is not None and held.base == 0 and 0 < held.n_tokens < len(ids)
+                and ids[:held.n_tokens] == held.token_ids):
             append_kv(cache, held.keys, held.values)
             k = held.n_tokens
         yield from self.forward_steps(ids[k:], k, cache, chunk)

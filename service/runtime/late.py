@@ -82,7 +82,8 @@ def inplace_block_steps(rt, block: KVBlock, new_ids: list[int], start: int, old_
     Tokens before the span keep their K/V (exact: they never saw it). The new tokens are run through the model
     after them, as a compile of new_ids would. Tokens after the span keep their K/V too, moved by the change in
     length (keys re-rotated): they are stale, computed while reading the old value. That is what an in-place edit
-    is (the paper, arXiv 2606.17107, on errata: it barely moves a decision that later tokens had already taken notes on).
+    is (the paper, arXiv 2606.17107, on errata: it barely moves a decision that later tokens had already taken
+    notes on).
     """
     if new_ids[:start] != block.token_ids[:start] or new_ids[new_end:] != block.token_ids[old_end:]:
         raise InternalError("an in-place edit must keep the block's ids outside the edited span")

@@ -106,7 +106,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, int]:
     """Replace every nn.Linear whose weight is exactly a Q4_1 / Q8_0 block format with a PackedLinear, compile and
-    check the kernel; counts by kind ({} when nothing was packed, or no kernels serve here: service/runtime/native.py)."""
+    check the kernel; counts by kind ({} when nothing was packed, or no kernels serve here:
+    service/runtime/native.py)."""
     found = [(name, mod, recover_blocks(mod.weight)) for name, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.weight.device.type == "cpu"]
     if not any(blocks is not None for *_, blocks in found):

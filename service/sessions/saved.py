@@ -58,7 +58,8 @@ class Session:
 
     def doc(self) -> dict:
         keep = ("id", "namespace", "skills", "system", "fields", "messages", "base_errata", "skill_ids",
-                "skill_fields", "tools", "ids", "created_at", "saved_at", "memory", "memory_seam_tokens", "mode", "seam_tokens")
+                "skill_fields", "tools", "ids", "created_at", "saved_at", "memory", "memory_seam_tokens", "mode",
+                "seam_tokens")
         return {k: getattr(self, k) for k in keep}
 
     def public(self) -> dict:

@@ -195,4 +195,5 @@ def test_validation_messages_name_fields_not_pydantic_internals(skills):
     assert r.status_code == 422 and "not valid JSON (at character" in r.json()["error"]["message"]
     r = skills.post("/v1/compose", json={"skills": ["a"], "user": "hi", "seam_tokens": "some"})
     msg = r.json()["error"]["message"]
-    assert r.status_code == 422 and msg.startswith("seam_tokens: ") and "constrained" not in msg and "literal" not in msg
+    assert (r.status_code == 422 and msg.startswith("seam_tokens: ")
+            and "constrained" not in msg and "literal" not in msg)

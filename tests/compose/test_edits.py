@@ -39,7 +39,8 @@ def test_in_place_field_span_equals_oracle_at_layer0():
                          (comp.cache.layers[0].values, oracle.cache.layers[0].values)):
             torch.testing.assert_close(t_c[:, :, span], t_o[:, :, span], atol=2e-4, rtol=1e-4)
     # and the stale block really held the old value there (the edit did something)
-    stale = rt.prefill(rt.prompts.build([{"role": "system", "content": "Decide."}, {"role": "user", "content": "Refund?"}],
+    stale = rt.prefill(rt.prompts.build([{"role": "system", "content": "Decide."},
+                                         {"role": "user", "content": "Refund?"}],
                                         [block.token_ids]), [block], mode="full")
     s, e = edit.recompute[0]
     assert not torch.allclose(stale.cache.layers[0].keys[:, :, off + s:off + e],

@@ -32,7 +32,8 @@ def _generator():
 
 def test_dashboard_files_are_what_the_generator_writes():
     text = _generator().render()
-    assert DASHBOARD_FILE.read_text() == text, "deploy/grafana/skillcache.json is stale: python deploy/grafana/dashboard.py"
+    assert DASHBOARD_FILE.read_text() == text, ("deploy/grafana/skillcache.json is stale: "
+                                                "python deploy/grafana/dashboard.py")
     assert CHART_COPY.read_text() == text, "the chart's copy is stale: python deploy/grafana/dashboard.py"
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.vllm.connector import SkillcacheConnector, SkillcacheMeta
+from service.vllm.connector import SkillcacheConnector
 from service.vllm.heads import HeadReader, HeadWriter, Layout, _Mapped, record_bytes
 
 LAYOUT = Layout(n_layers=2, n_kv_heads=2, head_dim=4, dtype="float32")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.vllm.heads import CHUNK_TOKENS, HEADER_BYTES, HeadError, HeadReader, HeadRef, HeadWriter, Layout, _Mapped, record_bytes
+from service.vllm.heads import (CHUNK_TOKENS, HEADER_BYTES, HeadError, HeadReader, HeadRef, HeadWriter, Layout,
+                                _Mapped, record_bytes)
 
 LAYOUT = Layout(n_layers=3, n_kv_heads=2, head_dim=8, dtype="float32")
 

@@ -1,5 +1,6 @@
 """The composition invariants on every CPU weight format: bfloat16, int8 (weight-only, bfloat16 products) and W8A8
-(per-token activation scales) beside float32 (tests/kv/test_rotation.py runs them on every family in float32). Composition is exact relative to
+(per-token activation scales) beside float32 (tests/kv/test_rotation.py runs them on every family in float32).
+Composition is exact relative to
 a full recompute on the same weights: re-rotated keys equal keys computed at the offset, layer-0 K/V after
 composition equal the full prefill's, a seam covering the whole block is the full prefill."""
 

@@ -22,7 +22,8 @@ def test_per_channel_suits_outlier_channels():
     """Keys with one large channel: per-channel scales keep the small channels, per-token ones do not."""
     x = torch.randn(1, 2, 64, 16)
     x[..., 3] *= 50
-    rel = {a: float((dequantize(*quantize(x, a), torch.float32) - x)[..., :3].abs().mean()) for a in ("channel", "token")}
+    rel = {a: float((dequantize(*quantize(x, a), torch.float32) - x)[..., :3].abs().mean())
+           for a in ("channel", "token")}
     assert rel["channel"] < rel["token"] / 5
 
 

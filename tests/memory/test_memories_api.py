@@ -87,7 +87,8 @@ def test_edits_touch_only_their_block_and_say_what_was_done(app):
     assert edits["fact_0"]["lines"] == ["[MEMORY UPDATE] fact_0 has changed to changed for good; this overrides any "
                                         "earlier value AND any earlier conclusion. Apply the current value."]
     b1 = edits["fact_1"]["block"]
-    assert edits["fact_1"]["mode"] == "recompile" and edits["fact_1"]["recomputed_tokens"] == body["blocks"][b1]["n_tokens"]
+    assert (edits["fact_1"]["mode"] == "recompile"
+            and edits["fact_1"]["recomputed_tokens"] == body["blocks"][b1]["n_tokens"])
     assert edits["order_count"]["mode"] == "in_place" and edits["order_count"]["block"] == last
     assert 0 < edits["order_count"]["recomputed_tokens"] <= 3
     assert edits["fact_3"]["mode"] == "unchanged"

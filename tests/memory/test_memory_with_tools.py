@@ -85,6 +85,7 @@ def test_a_session_tool_loop_floats_the_memory_and_never_caches_it(app):
     mem_ids = app.portal.call(state.memories.resolve, "default", "ada").ids[0]
     turns = [{"user": "Weather where I live?", "tool_choice": NAMED, "max_tokens": 12}, None,
              {"user": "Thanks", "tool_choice": "none", "max_tokens": 4}]
+    call = None  # set by the first turn, answered by the second
     for turn in turns:
         if turn is None:  # the results alone: the memory stays before the question they answer
             turn = {"tool_results": [{"tool_call_id": call["id"], "content": "snow"}], "tool_choice": "none",
@@ -94,7 +95,8 @@ def test_a_session_tool_loop_floats_the_memory_and_never_caches_it(app):
         body = r.json()
         assert body["memory"]["name"] == "ada" and body["tools"]["source"] == "session"
         if "user" in turn and turn["tool_choice"] == NAMED:
-            [call] = body["tool_calls"]
+            assert len(body["tool_calls"]) == 1
+            call = body["tool_calls"][0]
         live = mgr.live[sid]
         assert live.cache.get_seq_length() == len(live.ids)
         assert not any(live.ids[i:i + len(mem_ids)] == mem_ids for i in range(len(live.ids)))

@@ -49,7 +49,8 @@ def test_a_fresh_process_without_a_compiler_serves_packed_decode_on_the_prebuilt
 
 
 def test_kernels_built_from_other_sources_are_refused_once(fresh, caplog):
-    (fresh / "kernels.json").write_text(json.dumps({"sources": "0123", "variants": {v: "built" for v in native.VARIANTS}}))
+    (fresh / "kernels.json").write_text(json.dumps({"sources": "0123",
+                                                    "variants": {v: "built" for v in native.VARIANTS}}))
     with caplog.at_level("INFO", logger="service.runtime.native"):
         for _ in range(3):
             with pytest.raises(native.KernelsUnavailable, match="run `make install`"):

@@ -443,7 +443,8 @@ def test_background_work_runs_lowest_priority_first():
     loop = asyncio.new_event_loop()
     try:
         works = {name: StepsWork(Job(loop), iter(()), background=True, priority=p)
-                 for name, p in [("shadow", 1.0), ("refine-small", -10.0), ("calibration", -1e18), ("refine-big", -500.0)]}
+                 for name, p in [("shadow", 1.0), ("refine-small", -10.0), ("calibration", -1e18),
+                                 ("refine-big", -500.0)]}
         for w in works.values():
             assert sched.add(w)
         order = []

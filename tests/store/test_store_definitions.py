@@ -30,7 +30,8 @@ def doc(name: str, version: int, text: str = "be helpful") -> dict:
 
 
 async def test_versions_latest_list_delete(defs: DefinitionStore) -> None:
-    assert await defs.get("ns", "pirate") is None and await defs.list("ns") == [] and await defs.versions("ns", "x") == []
+    assert (await defs.get("ns", "pirate") is None and await defs.list("ns") == []
+            and await defs.versions("ns", "x") == [])
     for v in (1, 2, 10):
         await defs.put("ns", "pirate", v, doc("pirate", v))
     await defs.put("ns", "chef", 1, doc("chef", 1))

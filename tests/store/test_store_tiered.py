@@ -94,7 +94,8 @@ async def test_unusable_disk_root(tmp_path: Path, make_key) -> None:
     store = TieredStore([MemoryBlockStore(1 << 22), bad_disk])
     assert await store.put(make_key(), synthetic_block()) == ["disk"]
     health = await store.health()
-    assert health["memory"] == "ok" and health["disk"].startswith("down: ") and "not a readable directory" in health["disk"]
+    assert (health["memory"] == "ok" and health["disk"].startswith("down: ")
+            and "not a readable directory" in health["disk"])
     with pytest.raises(StoreWriteError):
         await TieredStore([bad_disk]).put(make_key(), synthetic_block())  # no tier took it
 

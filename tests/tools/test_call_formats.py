@@ -57,7 +57,8 @@ def test_past_calls_are_written_back_the_way_the_format_reads_them():
     calls = [ToolCall("c1", "get_weather", '{"city": "Paris"}'), ToolCall("c2", "count", "not json")]
     assert FALLBACK.call_text(calls) == ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                                          '{"name": "count", "arguments": "not json"}]</tool_call>')
-    assert HERMES.call_text(calls[:1]) == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert HERMES.call_text(calls[:1]) == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                           '\n</tool_call>')
     assert json.loads(LLAMA3_JSON.call_text(calls[:1])) == {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 

@@ -11,7 +11,8 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import Tool, ToolChoice, ToolsParams
 from tiny import tiny_runtime
 
-TOOLS = [Tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+TOOLS = [Tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"]}),
          Tool("get_time", None, {"type": "object", "properties": {}}),
          Tool("search", None, None)]
 

@@ -15,19 +15,22 @@ def call(cid: str, name: str = "get_weather") -> dict:
 def test_results_get_the_name_of_the_call_they_answer():
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": "", "tool_calls": [call("a"), call("b", "get_time")]},
-            {"role": "tool", "content": "1", "tool_call_id": "b"}, {"role": "tool", "content": "2", "tool_call_id": "a"},
+            {"role": "tool", "content": "1", "tool_call_id": "b"},
+            {"role": "tool", "content": "2", "tool_call_id": "a"},
             {"role": "user", "content": "thanks"}]
     link_results(msgs)
     assert [m.get("name") for m in msgs if m["role"] == "tool"] == ["get_time", "get_weather"]
 
 
 @pytest.mark.parametrize("msgs,where", [
-    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "x", "tool_call_id": "a"}], "messages.1.tool_call_id"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "x", "tool_call_id": "a"}],
+     "messages.1.tool_call_id"),
     ([{"role": "assistant", "content": "", "tool_calls": [call("a")]},
       {"role": "tool", "content": "x", "tool_call_id": "a"}, {"role": "tool", "content": "x", "tool_call_id": "a"}],
      "messages.2.tool_call_id"),  # answered twice
     ([{"role": "assistant", "content": "", "tool_calls": [call("a"), call("b")]},
-      {"role": "tool", "content": "x", "tool_call_id": "a"}, {"role": "user", "content": "?"}], "messages.2: tool calls"),
+      {"role": "tool", "content": "x", "tool_call_id": "a"}, {"role": "user", "content": "?"}],
+     "messages.2: tool calls"),
     ([{"role": "assistant", "content": "", "tool_calls": [call("a")]}], "tool calls \\['a'\\] have no tool message"),
     ([{"role": "assistant", "content": "", "tool_calls": [call("a"), call("a")]},
       {"role": "tool", "content": "x", "tool_call_id": "a"}], "messages.0.tool_calls: call ids must be unique"),

@@ -191,6 +191,7 @@ def test_compose_two_shipped_skills_in_both_modes_then_an_unknown_skill(server, 
     _wait(d, lambda d: _state(d, "compose") == "error", RUN_TIMEOUT_S)
     comp = _panel(d, "compose")
     assert comp["error"] == "skill_not_found" and comp["text"] == ""
-    assert "HTTP 404" in _css(d, "#panel-compose .error").text and "no-such-skill" in _css(d, "#panel-compose .error").text
+    assert ("HTTP 404" in _css(d, "#panel-compose .error").text
+            and "no-such-skill" in _css(d, "#panel-compose .error").text)
     script_errors = [e for e in d.get_log("browser") if e["source"] == "javascript"]
     assert not script_errors, script_errors

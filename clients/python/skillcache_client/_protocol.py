@@ -133,7 +133,8 @@ def _drop_none(**kw: Any) -> JSON:
 
 
 def add_skill(name: str, text: str, description: str | None = None, fields: Mapping[str, str] | None = None) -> Call:
-    body = _drop_none(name=name, text=text, description=description, fields=dict(fields) if fields is not None else None)
+    body = _drop_none(name=name, text=text, description=description,
+                      fields=dict(fields) if fields is not None else None)
     return Call("POST", "/v1/skills", json=body)
 
 

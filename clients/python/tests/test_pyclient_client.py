@@ -110,9 +110,11 @@ def test_compose_stream_error_event(server: FakeServer) -> None:
 @pytest.mark.parametrize(
     ("status", "body", "headers", "expected"),
     [
-        (404, {"error": {"type": "skill_not_found", "message": "no skill 'x'"}}, {}, ("skill_not_found", "no skill 'x'")),
+        (404, {"error": {"type": "skill_not_found", "message": "no skill 'x'"}}, {},
+         ("skill_not_found", "no skill 'x'")),
         (429, {"error": {"type": "overloaded", "message": "busy"}}, {"Retry-After": "3"}, ("overloaded", "busy")),
-        (422, {"detail": [{"loc": ["body", "user"], "msg": "Field required"}]}, {}, ("invalid_request", "user: Field required")),
+        (422, {"detail": [{"loc": ["body", "user"], "msg": "Field required"}]}, {},
+         ("invalid_request", "user: Field required")),
         (405, {"detail": "Method Not Allowed"}, {}, ("http_error", "Method Not Allowed")),
         (502, "<html>Bad Gateway</html>", {}, ("http_error", "<html>Bad Gateway</html>")),
         (500, "", {}, ("http_error", "HTTP 500")),

@@ -33,7 +33,8 @@ def _params(body: ComposeToolsRequest, ns: str) -> ComposeParams:
     ]
     return ComposeParams(
         skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, body.logprobs),
-        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens, edit_mode=body.edit_mode, namespace=ns,
+        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens,
+        edit_mode=body.edit_mode, namespace=ns,
         tools=tools_params(body.tools, body.tool_choice, body.parallel_tool_calls),
     )
 
