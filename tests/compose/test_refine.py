@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from appclient import make_client
-from service.errors import InvalidRequest
+from service.errors import InternalError
 from service.runtime.engine import run_steps
 from tests.store.store_helpers import metric
 from tiny import tiny_runtime
@@ -61,11 +61,11 @@ def test_prefix_improves_on_composition():
 def test_prefix_must_match_and_end_at_a_segment_boundary():
     rt, ids, blocks, plan = _setup(2)
     end = plan.skill_ends()[1]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InternalError):
         rt.prefill(plan, blocks, prefix=_exact_prefix(rt, plan.ids[:end - 1], chunk=512))
     other = list(plan.ids[:end])
     other[-1] = (other[-1] + 1) % 400
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InternalError):
         rt.prefill(plan, blocks, prefix=_exact_prefix(rt, other, chunk=512))
 
 
