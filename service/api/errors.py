@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import ServiceError
+from service.errors import InternalError, ServiceError
 from service.metrics import ERRORS
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError):
         rid = request_id(request)
-        if exc.status >= 500 and exc.error_type == "internal_error":
+        if isinstance(exc, InternalError):
             log.error("internal error (request %s): %s", rid, exc.message, exc_info=exc)
             return error_response(500, "internal_error", f"internal error ({exc.message}); report request {rid}",
                                   rid=rid)

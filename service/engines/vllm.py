@@ -194,9 +194,9 @@ class VllmEngine:
         texts = [c.text for c in tools.options]
         picked = await self.client.choose(ids, texts, salt, transfer, 4 * max(len(c.name_ids) + len(c.rest_ids)
                                                                              for c in tools.options))
-        best = tools.options[texts.index(picked)] if picked in texts else tools.options[0]
-        if picked not in texts:
+        if picked not in texts:  # structured output keeps to the choices: only a vLLM without it gets here
             log.warning("vLLM's choice %r is none of the offered tools; the first is used", picked)
+        best = tools.options[texts.index(picked) if picked in texts else 0]
         tools.chosen(best)
         return best.name_ids + best.rest_ids
 

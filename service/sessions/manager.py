@@ -110,7 +110,7 @@ class SessionManager:
 
     def _on_engine(self) -> bool:
         """True when the engine keeps conversations' K/V itself (vLLM's prefix cache), not this process."""
-        return getattr(self.p.runner, "keeps_conversations", False)
+        return self.p.runner.keeps_conversations
 
     async def get(self, ns: str, sid: str) -> Session:
         if self.saved.is_deleted(sid):
