@@ -71,6 +71,7 @@ class Prepared:
     mode: str  # what actually runs: "compose" or "full"
     prefix: object = None  # KVBlock: an exact prefix of the plan (refined skill sequence), or None
     tools: ToolsPrep | None = None
+    errata: list[str] = field(default_factory=list)  # the erratum lines after the skills (their field edits)
 
 
 @dataclass
@@ -149,7 +150,9 @@ class ComposePipeline:
                 f"max_tokens {max_tokens} exceeds the cap {self.settings.max_tokens_cap} (SKILLCACHE_MAX_TOKENS_CAP)"
             )
 
-    async def prepare(self, p: ComposeParams) -> Prepared:
+    async def prepare(self, p: ComposeParams, head_only: bool = False) -> Prepared:
+        """Everything a request needs before it runs. `head_only`: the prompt ends after the system turn and its
+        blocks, with no generation prompt (a session's head: service/sessions/)."""
         t0 = time.perf_counter()
         self.check_request(p.skills, p.gen.max_tokens)
         records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
@@ -157,21 +160,15 @@ class ComposePipeline:
             raise InvalidRequest("a skill may appear only once per request")
         check_fields(records, p.fields)
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
-        blocks, sources, keys, seams = [], [], [], []
-        for rec, edit in zip(records, edits):
-            block, source = await self.block_for(p.namespace, edit.text, variant=edit.text != rec.default_text)
-            key = str(self.registry.block_key(p.namespace, rec.default_text))  # a variant's checks are its skill's
-            blocks.append(block)
-            sources.append(source)
-            keys.append(key)
-            seams.append(self.guard.seam_for(key, block, p.seam_tokens))
+        blocks, sources, keys, seams = await self.skill_blocks(p.namespace, records, [e.text for e in edits],
+                                                               p.seam_tokens)
         store_s = time.perf_counter() - t0
         skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
         errata = [line for e in edits for line in e.errata]
         tb = self.tool_prompt.block(p.tools) if p.tools is not None and p.tools.tools else None
         if tb is not None:
             check_block_size(tb, self.settings.max_skill_tokens)
-        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, late=p.late)
+        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, not head_only, late=p.late)
         for seg in plan.segments:
             if seg.kind == "skill" and seg.skill_index < len(edits):  # the tools and late blocks are never edited
                 seg.recompute = list(edits[seg.skill_index].recompute)
@@ -191,7 +188,21 @@ class ComposePipeline:
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
         return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
                         [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode,
-                        prefix, tools)
+                        prefix, tools, errata)
+
+    async def skill_blocks(self, namespace: str, records: list[SkillRecord], texts: list[str],
+                           seam_tokens: int | None) -> tuple[list, list[str], list[str], list[tuple]]:
+        """Per skill: the block of `texts[i]` (its registered text, or a recompile's variant), where it came from,
+        the key its fidelity checks use (always its registered text's), and its (seam, path) from the guard."""
+        blocks, sources, keys, seams = [], [], [], []
+        for rec, text in zip(records, texts):
+            block, source = await self.block_for(namespace, text, variant=text != rec.default_text)
+            key = str(self.registry.block_key(namespace, rec.default_text))  # a variant's checks are its skill's
+            blocks.append(block)
+            sources.append(source)
+            keys.append(key)
+            seams.append(self.guard.seam_for(key, block, seam_tokens))
+        return blocks, sources, keys, seams
 
     async def _add_tools(self, p: ComposeParams, tb, t_index: int | None, plan, blocks: list, keys: list,
                          seams: list) -> ToolsPrep:

@@ -14,10 +14,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from service import metrics
-from service.compose.edits import check_fields, plan_edit
-from service.compose.tooluse import ToolsPrep, check_block_size
+from service.compose.tooluse import ToolsPrep
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
-from service.compose.pipeline import ComposePipeline, Final, SkillRef
+from service.compose.pipeline import ComposeParams, ComposePipeline, Final, SkillRef
 from service.runtime.params import Delta, Done, GenParams
 from service.sessions.embedded_turns import EmbeddedTurns, late_index
 from service.sessions.engine_turns import EngineTurns, relay
@@ -53,54 +52,43 @@ class SessionManager:
                                 "delete some first")
         if not refs and not system and tools is None:  # an empty head has nothing to cache (no template renders it)
             raise InvalidRequest("a session needs at least one skill, a system message or tools")
-        self.p.check_request(refs, 1)
-        records = [await self.p.registry.get(ns, r.name, r.version) for r in refs]
-        if len({r.name for r in records}) != len(records):
-            raise InvalidRequest("a skill may appear only once per session")
-        check_fields(records, fields)
         if memory is not None:  # it exists, and its blocks are compiled before the first turn
             await self.memories.resolve(ns, memory, memory_seam_tokens)
-        tmpl = self.p.settings.erratum_template
-        edits = [plan_edit(self.rt.prompts, r, fields, "erratum", tmpl) for r in records]
-        blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
+        head = [{"role": "system", "content": system}] if system else []
+        # the head is prepared as /v1/compose prepares a request (fields as errata), ending after the system turn
+        prep = await self.p.prepare(ComposeParams(skills=refs, messages=head, fields=fields,
+                                                  gen=GenParams(max_tokens=1), mode=mode, seam_tokens=seam_tokens,
+                                                  namespace=ns, tools=tools), head_only=True)
+        records = prep.records
         s = Session(id=f"s-{secrets.token_hex(12)}", namespace=ns, system=system,
                     skills=[{"name": r.name, "version": r.version, "content_hash": r.content_hash} for r in records],
                     fields={**{f: v for r in records for f, v in r.fields.items()}, **fields},
                     skill_fields=[{f: fields.get(f, v) for f, v in r.fields.items()} for r in records],
-                    base_errata=[line for e in edits for line in e.errata], skill_ids=[b.token_ids for b in blocks],
+                    base_errata=prep.errata, skill_ids=[b.token_ids for b in prep.blocks[:len(records)]],
                     tools=[t.openai() for t in tools.tools] if tools is not None else [],
                     memory=memory, memory_seam_tokens=memory_seam_tokens, mode=mode, seam_tokens=seam_tokens)
-        tb = self.p.tool_prompt.block(tools) if tools is not None else None
-        if tb is not None:
-            check_block_size(tb, self.p.settings.max_skill_tokens)
-        plan, t_index = self.p.tool_prompt.build(self._head(s), s.skill_ids, s.base_errata, tb,
-                                                 add_generation_prompt=False)
-        self.rt.check_length(plan.n_tokens, 1, "full" if mode == "full" else "compose")
-        blocks, seam, mode = await self._head_blocks(s, records, tb, t_index, blocks)
+        plan = prep.plan
         if self._on_engine():  # the engine keeps the conversation: it prefills the head once, now
-            usage = await self.engine_turns.create(s, plan, blocks, seam, mode)
-            s.ids = plan.ids
+            usage = await self.engine_turns.create(s, plan, prep.blocks, prep.seams, prep.mode)
         else:
-            prefix = await self.p.refiner.lookup(ns, plan) if mode == "compose" else None
             pre = await self.p.engine.run_steps(self.rt.prefill_steps(
-                plan, blocks, mode=mode, seam_tokens=seam, prefix=prefix, chunk=self.p.settings.prefill_chunk_tokens))
-            if mode == "compose":
+                plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams, prefix=prep.prefix,
+                chunk=self.p.settings.prefill_chunk_tokens))
+            if prep.mode == "compose":
                 self.p.refiner.note(ns, plan, pre.n_prefix)
-            s.cache, s.ids = pre.cache, plan.ids
+            s.cache = pre.cache
             usage = {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
                      "recomputed_tokens": pre.n_recomputed}
+        s.ids = plan.ids
         self._admit(s)
         self.saved.save_later(s)
         return s, usage
 
-    async def _head_blocks(self, s: Session, records, tb, t_index: int | None, blocks: list | None = None):
+    async def _head_blocks(self, s: Session, records, tb, t_index: int | None):
         """The session's head blocks (its skills', then the tools block), their calibrated seams, and the mode
-        that runs (a degraded skill runs in full)."""
+        that runs (a degraded skill runs in full): as the pipeline finds them for /v1/compose."""
         ns = s.namespace
-        if blocks is None:
-            blocks = [(await self.p.block_for(ns, r.default_text))[0] for r in records]
-        picks = [self.p.guard.seam_for(str(self.p.registry.block_key(ns, r.default_text)), b, s.seam_tokens)
-                 for r, b in zip(records, blocks)]
+        blocks, _, _, picks = await self.p.skill_blocks(ns, records, [r.default_text for r in records], s.seam_tokens)
         if t_index is not None:
             kv, _, key = await self.p.tools_block(ns, list(tb.ids))
             blocks = [*blocks, kv]
