@@ -16,7 +16,7 @@ from service.api.limits import BodyLimitMiddleware
 from service.api.routes import chat, compose, health, memories, sessions, skills
 from service.api.routes.playground import install_playground
 from service.config import Settings
-from service.api.schemas import ErrorResponse
+from service.api.schemas.common import ErrorResponse
 from service.metrics import REQUESTS
 from service.state import AppState
 

@@ -1,4 +1,4 @@
-"""Chat Completions messages: their shapes, the fields this service refuses, and the conversation they make.
+"""Chat Completions messages: the fields this service refuses, and the conversation the messages make.
 
 Messages become the pipeline's OpenAI-shaped dicts: `{"role", "content"}`, plus `tool_calls` (OpenAI's objects) on
 an assistant message and `tool_call_id` and `name` (the function it answers) on a `tool` message. The checks are
@@ -8,33 +8,11 @@ the conversation moves on.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from service.api.schemas import Text
-from service.api.tool_schemas import CallId, ToolCallIn
+from service.api.schemas.chat import ChatMessage
 from service.errors import InvalidRequest
 from service.tools.conversation import link_results
-from service.tools.spec import MAX_TOOLS
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, refusal, audio...: ignored
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
-    tool_call_id: CallId | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 # Fields of OpenAI's request this service does not honour: refused (422 naming the field) rather than dropped, so a

@@ -16,7 +16,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is blocked: the API must import without it")
 sys.meta_path.insert(0, Block())
 import service.api
-for m in ("service.main", "service.api.deps", "service.api.errors", "service.api.schemas",
+for m in ("service.main", "service.api.deps", "service.api.errors", "service.api.schemas.compose",
+          "service.api.schemas.chat", "service.api.schemas.sessions", "service.api.params",
           "service.api.routes.chat", "service.api.routes.compose", "service.api.routes.health",
           "service.api.routes.memories", "service.api.routes.playground", "service.api.routes.sessions",
           "service.api.routes.skills"):

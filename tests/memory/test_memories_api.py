@@ -208,3 +208,20 @@ def test_a_memory_turn_counts_its_tokens_once_by_kind(app):
     assert after["recomputed"] - before["recomputed"] == u["recomputed_tokens"]
     t = body["timings"]
     assert 0 < t["store_ms"] <= t["ttft_ms"] <= t["total_ms"]  # finding the memory's blocks is part of the turn
+
+
+def test_chat_completions_take_a_memory_as_compose_does(app):
+    """The composition part is one model for every API: a memory named on chat completions is placed and reported
+    as on /v1/compose (the same prompt, the memory's tokens composed)."""
+    assert app.post("/v1/memories", json={"name": "ada", "text": MEM}).status_code == 201
+    comp = app.post("/v1/compose", json={"skills": ["policy"], "memory": "ada", "user": "Refund?",
+                                         "max_tokens": 3}).json()
+    chat = app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Refund?"}],
+                                                  "skills": ["policy"], "memory": "ada", "max_tokens": 3})
+    assert chat.status_code == 200, chat.text
+    u = chat.json()["usage"]
+    assert u["prompt_tokens"] == comp["usage"]["prompt_tokens"]
+    assert u["prompt_tokens_details"]["cached_tokens"] >= comp["memory"]["n_tokens"] - 1
+    assert chat.json()["skillcache"]["memory"]["name"] == "ada"
+    _err(app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "memory": "nope"}),
+         404, "memory_not_found")

@@ -4,79 +4,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
-
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from service.api.chat_messages import ChatMessage, conversation, refuse_unsupported
-from service.api.deps import Namespace, Pipeline, State
-from service.api.routes.compose import gen_params
-from service.api.schemas import ErrorResponse, GenerationIn, SeamTokens, SkillName, SkillRefIn
+from service.api.chat_messages import conversation, refuse_unsupported
+from service.api.deps import Memories, Namespace, Pipeline, State
+from service.api.params import compose_params, gen_params, tools_params
+from service.api.schemas.common import ErrorResponse
+from service.api.schemas.chat import ChatRequest
 from service.api.sse import SSE_200, sse_response
-from service.api.tool_schemas import ToolChoiceIn, ToolIn, tools_params
-from service.compose.pipeline import ComposeParams, Final, SkillRef
+from service.compose.pipeline import ComposeParams, Final
 from service.runtime.params import Delta
 from service.tools.events import tool_calls_of
 from service.tools.parser import CallEvent
-from service.tools.spec import MAX_TOOLS
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatRequest(GenerationIn):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    n: int = Field(1, ge=1)
-    stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    skills: list[SkillName | SkillRefIn] = Field(default_factory=list, max_length=256)
-    fields: dict[str, Annotated[str, StringConstraints(max_length=1024)]] | None = None
-    mode: Literal["compose", "full"] = "compose"
-    seam_tokens: SeamTokens = None
-    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoiceIn | None = None
-    parallel_tool_calls: bool | None = None
-    # OpenAI fields this service does not honour: accepted by the schema, refused with a 422 when used
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
-    web_search_options: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data):
-        """OpenAI accepts null for any optional parameter (the SDK sends it for None): null means the default."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-def _params(body: ChatRequest, ns: str) -> ComposeParams:
+async def _params(body: ChatRequest, ns: str, memories) -> ComposeParams:
     refuse_unsupported(body)
     messages = conversation(body.messages)
     tools = tools_params(body.tools, body.tool_choice, body.parallel_tool_calls)
-    body.max_tokens = body.max_completion_tokens or body.max_tokens or 256
     k = (body.top_logprobs or 1) if body.logprobs else None
-    refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
-    return ComposeParams(
-        skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, k),
-        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens, namespace=ns,
-        tools=tools,
-    )
+    gen = gen_params(body, k, body.max_completion_tokens or body.max_tokens or 256)
+    return await compose_params(body, messages, gen, ns, memories, tools)
 
 
 def _usage(final: Final) -> dict:
@@ -102,6 +53,8 @@ def _message(final: Final) -> dict:
 
 def _extra(final: Final) -> dict:
     out = {"timings": final.timings, "skills": final.skills, "edits": final.edits}
+    if final.memory is not None:
+        out["memory"] = final.memory
     return {**out, "tools": final.tools} if final.tools is not None else out
 
 
@@ -114,8 +67,8 @@ def _logprobs(final: Final) -> dict | None:
 
 
 @router.post("/chat/completions", responses={**_ERRORS, **SSE_200})
-async def chat_completions(body: ChatRequest, pipeline: Pipeline, state: State, ns: Namespace):
-    params = _params(body, ns)
+async def chat_completions(body: ChatRequest, pipeline: Pipeline, state: State, ns: Namespace, memories: Memories):
+    params = await _params(body, ns, memories)
     prep = await pipeline.prepare(params)
     events = await pipeline.start(prep)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.runtime.loaded.name

@@ -5,38 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import Memories, Namespace, Pipeline
-from service.api.schemas import ComposeRequest, ComposeResponse, ErrorResponse, SkillRefIn
+from service.api.params import compose_params, gen_params, tools_params
+from service.api.schemas.common import ErrorResponse
+from service.api.schemas.compose import ComposeResponse, ComposeToolsRequest
 from service.api.sse import SSE_200, sse_response
-from service.api.tool_schemas import ToolFields, tools_params
-from service.compose.pipeline import ComposeParams, Final, SkillRef
-from service.runtime.params import Delta, GenParams
+from service.compose.pipeline import Final
+from service.runtime.params import Delta
 from service.tools.events import tool_calls_of
 from service.tools.parser import CallEvent
 
 router = APIRouter(prefix="/v1", tags=["compose"])
 _ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
-
-
-class ComposeToolsRequest(ComposeRequest, ToolFields):
-    """The compose body with tool calling's fields (they live beside the tool schemas, which need Strict)."""
-
-
-def gen_params(body, logprobs: int | None = None) -> GenParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return GenParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop, logprobs)
-
-
-def _params(body: ComposeToolsRequest, ns: str) -> ComposeParams:
-    refs = [SkillRef(s.name, s.version) if isinstance(s, SkillRefIn) else SkillRef(s) for s in body.skills]
-    messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.user}
-    ]
-    return ComposeParams(
-        skills=refs, messages=messages, fields=dict(body.fields or {}), gen=gen_params(body, body.logprobs),
-        mode=body.mode, seam_tokens=None if body.seam_tokens == "auto" else body.seam_tokens,
-        edit_mode=body.edit_mode, namespace=ns,
-        tools=tools_params(body.tools, body.tool_choice, body.parallel_tool_calls),
-    )
 
 
 def _final_json(final: Final, text: str | None = None) -> dict:
@@ -76,8 +55,9 @@ async def respond(events, stream: bool, extra: dict | None = None):
 
 @router.post("/compose", response_model=ComposeResponse, responses={**_ERRORS, **SSE_200})
 async def compose(body: ComposeToolsRequest, pipeline: Pipeline, ns: Namespace, memories: Memories):
-    params = _params(body, ns)
-    if body.memory is not None:  # floated after the system turn, before the user text (service/memory/)
-        params.late = await memories.resolve(ns, body.memory, body.memory_seam_tokens)
+    messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+        {"role": "user", "content": body.user}]
+    params = await compose_params(body, messages, gen_params(body, body.logprobs), ns, memories,
+                                  tools_params(body.tools, body.tool_choice, body.parallel_tool_calls), body.edit_mode)
     prep = await pipeline.prepare(params)
     return await respond(await pipeline.start(prep), body.stream)

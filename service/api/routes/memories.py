@@ -7,8 +7,9 @@ import time
 from fastapi import APIRouter, Query, Response
 
 from service.api.deps import Memories, Namespace
-from service.api.schemas import (ErrorResponse, MemoryCreate, MemoryEdited, MemoryList, MemoryOut, MemoryPatch,
-                                 MemoryReplace, MemorySummary)
+from service.api.schemas.common import ErrorResponse
+from service.api.schemas.memories import (MemoryCreate, MemoryEdited, MemoryList, MemoryOut, MemoryPatch, MemoryReplace,
+                                          MemorySummary)
 from service.memory.edits import FactEdit
 
 router = APIRouter(prefix="/v1/memories", tags=["memories"])

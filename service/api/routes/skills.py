@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, Response
 
 from service.api.auth import RequireAdmin
 from service.api.deps import Namespace, Pipeline, State
-from service.api.schemas import MAX_VERSION, ErrorResponse, SkillCreate, SkillDeleted, SkillList, SkillOut
+from service.api.schemas.common import MAX_VERSION, ErrorResponse
+from service.api.schemas.skills import SkillCreate, SkillDeleted, SkillList, SkillOut
 from service.compose.pipeline import ComposePipeline
 from service.registry.skill import SkillRecord
 

@@ -1,4 +1,4 @@
-"""Tool calling in request bodies (OpenAI's shapes), and their conversion to service/tools' data."""
+"""Tool calling in request bodies (OpenAI's shapes); service/api/params.py turns them into service/tools' data."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from service.api.schemas import Strict
-from service.tools.spec import MAX_TOOLS, TOOL_NAME_PATTERN, Tool, ToolChoice, ToolsParams
-from service.tools.spec import tools_params as make_params
+from service.api.schemas.common import Strict
+from service.tools.spec import MAX_TOOLS, TOOL_NAME_PATTERN
 
 ToolName = Annotated[str, StringConstraints(pattern=TOOL_NAME_PATTERN)]
 CallId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -60,19 +59,3 @@ class ToolFields(Strict):
     tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
-
-
-def tool_choice(choice: ToolChoiceIn | None) -> ToolChoice | None:
-    if choice is None:
-        return None
-    return ToolChoice("named", choice.function.name) if isinstance(choice, NamedToolChoice) else ToolChoice(choice)
-
-
-def tool_specs(tools: list[ToolIn] | None) -> list[Tool]:
-    return [Tool(t.function.name, t.function.description, t.function.parameters) for t in tools or []]
-
-
-def tools_params(tools: list[ToolIn] | None, choice: ToolChoiceIn | None, parallel: bool | None
-                 ) -> ToolsParams | None:
-    """The request's tools and choice (None when it offers none); 422 for a choice that cannot be honoured."""
-    return make_params(tool_specs(tools), tool_choice(choice), parallel)
