@@ -13,7 +13,7 @@ from service import __version__
 from service.api.auth import Authenticator, authenticate
 from service.api.errors import install_error_handlers, request_id
 from service.api.limits import BodyLimitMiddleware
-from service.api.routes import chat, compose, health, memories, sessions, skills
+from service.api.routes import chat, compose, health, memories, messages, responses, sessions, skills
 from service.api.routes.playground import install_playground
 from service.config import Settings
 from service.api.schemas.common import ErrorResponse
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     install_playground(app)  # /ui: static files, open (they hold no data; the page calls /v1 with its key)
     auth_errors = {c: {"model": ErrorResponse} for c in (401, 403, 429)}
     # every /v1 route needs a key
-    for r in (skills.router, compose.router, sessions.router, chat.router, memories.router):
+    for r in (skills.router, compose.router, sessions.router, chat.router, memories.router, responses.router,
+              messages.router):
         app.include_router(r, dependencies=[Depends(authenticate)], responses=auth_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

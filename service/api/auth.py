@@ -1,7 +1,8 @@
 """API keys, tenants and roles; per-key rate limits.
 
 Keys come from `SKILLCACHE_API_KEYS_FILE`, a JSON list of `{"key" | "key_sha256", "namespace", "role"}`,
-read once at startup. A request sends `Authorization: Bearer <key>`; the key's SHA-256 is compared with
+read once at startup. A request sends `Authorization: Bearer <key>` (or `x-api-key: <key>`, as the anthropic SDK
+does); the key's SHA-256 is compared with
 every configured digest in constant time (hmac.compare_digest), so neither timing nor the plain keys in
 memory reveal which key matched. A key binds the request to its namespace (skills, blocks, sessions and
 the `namespace` metric label) and to a role:
@@ -237,7 +238,9 @@ async def authenticate(
     if principal is None:
         auth: Authenticator = request.app.state.auth
         client = request.client.host if request.client else None
-        principal = auth.authenticate(creds.credentials if creds else None, client)
+        # the anthropic SDK sends its key as `x-api-key` (the Messages API): the same keys, the same check
+        key = creds.credentials if creds else request.headers.get("x-api-key")
+        principal = auth.authenticate(key, client)
         request.state.principal = principal
     return principal
 

@@ -1,4 +1,5 @@
-"""The one place where errors become HTTP: {"error": {"type": <stable error_type>, "message": ..., "request_id": ...}}.
+"""The one place where errors become HTTP: {"error": {"type": <stable error_type>, "message": ..., "request_id": ...}}
+(the Messages API's paths answer in Anthropic's shape, with the same stable type as `error.error_type`).
 
 Every error the service raises is a ServiceError (service/errors.py; the store's too) carrying its status and type.
 The request id (the client's `X-Request-ID`, or one made here; echoed in every response's header) names a 500 in the
@@ -36,13 +37,29 @@ def request_id(request: Request) -> str:
     return rid
 
 
+# Anthropic's error types by status: the Messages API (/v1/messages) answers in its shape, which its SDK parses
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, error_type: str, message: str) -> dict:
+    """{"type": "error", "error": {"type": <Anthropic's>, "message", "error_type": <ours, stable>}}."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message,
+                                       "error_type": error_type}}
+
+
 def error_response(status: int, error_type: str, message: str, headers: dict | None = None,
-                   rid: str | None = None) -> JSONResponse:
+                   rid: str | None = None, request: Request | None = None) -> JSONResponse:
     ERRORS.labels(error_type).inc()
+    if rid is not None:
+        headers = {**(headers or {}), "X-Request-ID": rid}
+    if request is not None and request.url.path.startswith("/v1/messages"):
+        return JSONResponse({**anthropic_error(status, error_type, message), "request_id": rid}, status_code=status,
+                            headers=headers)
     body = {"type": error_type, "message": message}
     if rid is not None:
         body["request_id"] = rid
-        headers = {**(headers or {}), "X-Request-ID": rid}
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
@@ -60,8 +77,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, InternalError):
             log.error("internal error (request %s): %s", rid, exc.message, exc_info=exc)
             return error_response(500, "internal_error", f"internal error ({exc.message}); report request {rid}",
-                                  rid=rid)
-        return error_response(exc.status, exc.error_type, exc.message, exc.headers, rid)
+                                  rid=rid, request=request)
+        return error_response(exc.status, exc.error_type, exc.message, exc.headers, rid, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -75,19 +92,20 @@ def install_error_handlers(app: FastAPI) -> None:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and (isinstance(x, int) or x.isidentifier()))
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         return error_response(422, "invalid_request", "; ".join(parts) or "invalid request body",
-                              rid=request_id(request))
+                              rid=request_id(request), request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         rid = request_id(request)
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. invalid UTF-8): a bad body, like any other
             return error_response(422, "invalid_request", f"the request body is not valid JSON in UTF-8 ({exc.detail})",
-                                  rid=rid)
+                                  rid=rid, request=request)
         return error_response(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail),
-                              getattr(exc, "headers", None), rid)
+                              getattr(exc, "headers", None), rid, request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         rid = request_id(request)
         log.exception("unhandled error (request %s)", rid)
-        return error_response(500, "internal_error", f"internal error; report request {rid}", rid=rid)
+        return error_response(500, "internal_error", f"internal error; report request {rid}", rid=rid,
+                              request=request)

@@ -23,7 +23,7 @@ from service.compose.tooluse import ToolsPrep, check_block_size
 from service.engines.embedded import EmbeddedEngine
 from service.kv.layout import LAYOUT_VERSION
 from service.registry.registry import SkillRegistry
-from service.registry.skill import SkillRecord
+from service.registry.skill import SkillRecord, TextBlock
 from service.runtime.params import Delta, Done, GenParams
 from service.store.key import BlockKey
 from service.tools.render import ToolPrompt
@@ -53,6 +53,7 @@ class ComposeParams:
     namespace: str = "default"
     tools: ToolsParams | None = None
     late: object = None  # blocks placed late, at the head of the user turn: a memory (service/memory/registry.py)
+    blocks: list[str] = field(default_factory=list)  # unregistered blocks by text, after the skills (TextBlock)
 
 
 @dataclass
@@ -154,10 +155,11 @@ class ComposePipeline:
         """Everything a request needs before it runs. `head_only`: the prompt ends after the system turn and its
         blocks, with no generation prompt (a session's head: service/sessions/)."""
         t0 = time.perf_counter()
-        self.check_request(p.skills, p.gen.max_tokens)
+        self.check_request(p.skills + p.blocks, p.gen.max_tokens)
         records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
+        records += [TextBlock.of(p.namespace, text) for text in p.blocks]
         if len({r.name for r in records}) != len(records):
-            raise InvalidRequest("a skill may appear only once per request")
+            raise InvalidRequest("a skill (or block of text) may appear only once per request")
         check_fields(records, p.fields)
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources, keys, seams = await self.skill_blocks(p.namespace, records, [e.text for e in edits],

@@ -105,3 +105,18 @@ class SkillRecord:
         d = self.to_doc()
         d.pop("namespace")
         return d
+
+
+class TextBlock(SkillRecord):
+    """A block named by its text alone (an Anthropic `cache_control` block, an agent's repeated section): not
+    registered, no fields, its text used as is (braces are text, not placeholders). Content-addressed like any block
+    (the store keys blocks by their text's hash), so it composes at any position as a skill does."""
+
+    @classmethod
+    def of(cls, namespace: str, text: str) -> "TextBlock":
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        return cls(namespace, f"block-{digest[:16]}", 1, text, digest, 0)
+
+    @property
+    def default_text(self) -> str:
+        return self.text
