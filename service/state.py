@@ -15,6 +15,7 @@ from service.phases import Phases
 from service.compose.pipeline import ComposePipeline
 from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
+from service.registry.skillfile import iter_skill_files, parse_skill_file
 from service.runtime.serving import EngineConfig, ServingEngine
 from service.sessions.manager import SessionManager
 from service.store.factory import build_store
@@ -99,13 +100,6 @@ class AppState:
         folder = self.settings.skills_dir
         if not folder or not Path(folder).is_dir():
             return
-        try:  # the skill-file format lives in the client package, which needs no torch
-            from skillcache_client.skillfile import iter_skill_files, parse_skill_file
-        except ImportError as e:
-            raise RuntimeError(f"SKILLCACHE_SKILLS_DIR={folder} needs the skillcache-client package to read skill "
-                               "files: pip install ./clients/python (scripts/install.sh does), or set "
-                               "SKILLCACHE_SKILLS_DIR= to start without them") from e
-
         for path in iter_skill_files(Path(folder)):
             try:
                 spec = parse_skill_file(path)

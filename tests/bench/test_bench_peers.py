@@ -94,7 +94,7 @@ def test_prompt_rendering_is_the_chat_template_with_the_skills_in_the_system_tur
     from peers_work import SKILLS, Prompts
 
     from service.registry.skill import render
-    from skillcache_client.skillfile import parse_skill_file
+    from service.registry.skillfile import parse_skill_file
 
     p = Prompts(SKILLS)
     order = (SKILLS[2], SKILLS[0], SKILLS[1])

@@ -67,7 +67,7 @@ def test_broken_composition_is_caught_and_served_by_full_prefill(tmp_path, embed
         c.portal.call(state.wait_ready)
         from pathlib import Path
 
-        from skillcache_client.skillfile import parse_skill_file
+        from service.registry.skillfile import parse_skill_file
 
         root = Path(__file__).resolve().parents[2] / "skills"
         for name in ("tool-specs", "refund-policy"):

@@ -9,7 +9,7 @@ from embedded_model import ROOT
 def shipped_skills(embedded_runtime):
     """(name, rendered text, ids) for every skill file shipped in skills/."""
     from service.registry.skill import render
-    from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+    from service.registry.skillfile import iter_skill_files, parse_skill_file
 
     out = []
     for path in iter_skill_files(ROOT / "skills"):

@@ -18,7 +18,7 @@ def gemma_runtime():
 def gemma_skills(gemma_runtime):
     """{name: (ids, block)} for every skill file in skills/, rendered with its defaults as the service does."""
     from service.registry.skill import render
-    from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+    from service.registry.skillfile import iter_skill_files, parse_skill_file
 
     out = {}
     for path in iter_skill_files(ROOT / "skills"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from skillcache_client.skillfile import iter_skill_files, parse_skill_file
+from service.registry.skillfile import iter_skill_files, parse_skill_file
 from ui_browser import chromium, require_browser
 from service.devserver import ROOT, ServiceNotReady, ServiceProcess
 
