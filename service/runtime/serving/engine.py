@@ -279,22 +279,9 @@ class ServingEngine(SequenceStarts):
             w.close()
 
     def _fits(self, w: SequenceWork) -> bool:
-        """Would the K/V of every admitted sequence, w included, stay within the budget once all have joined (the
-        batch padded to its longest reservation, and never smaller than the buffers it keeps from earlier rows)
-        while their prefill caches exist? One sequence always fits: an idle batch gives back kept buffers first if
-        they and w's prefill would not."""
-        if not self.bytes_per_token:
-            return True
-        seqs = self.sched.running + [x for x in self.sched.active if x.is_sequence]
-        kv = self.batch.kv
-        slots = max(kv.slots_for(len(seqs) + 1), kv.slots)
-        cap = max(kv.padded(max(x.need_tokens for x in (*seqs, w))), kv.capacity)
-        prefilling = sum(x.n_prompt for x in seqs if x.row is None) + w.n_prompt
-        if (slots * cap + prefilling) * self.bytes_per_token <= self.config.kv_budget_bytes:
-            return True
-        if not seqs and kv.n_rows == 0:
-            kv.release()
-        return not seqs
+        """The scheduler's KV admission rule (Scheduler.kv_fits) on this engine's batch and budget."""
+        return self.sched.kv_fits(w, self.batch.kv if self.batch is not None else None, self.bytes_per_token,
+                                  self.config.kv_budget_bytes)
 
     def kv_bytes(self) -> int:
         """K/V the engine holds now: the decode batch's buffers (prefill caches are counted by their requests)."""

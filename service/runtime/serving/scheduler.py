@@ -9,7 +9,8 @@ order (first come, first served, no skipping) while the running sequences stay w
 batch's K/V within the KV budget; the rest waits in a bounded queue, and past that a request gets
 `429 overloaded`. A sequence reserves its whole length (prompt + max_tokens) when admitted, so nothing is
 preempted and memory never runs past the budget. nano-vllm splits the same concerns into scheduler, block manager
-and model runner; here those are this file, the KV accounting in engine.py and runner.py.
+and model runner; here the policy is this file (queues, admission by KV budget, the prefill split, the background
+share), the mechanism is engine.py and starts.py (running the steps) and runner.py (the decode batch's K/V).
 """
 
 from __future__ import annotations
@@ -91,9 +92,33 @@ class Scheduler:
             metrics.QUEUE_DEPTH.set(len(self.waiting))
         return n
 
+    def kv_fits(self, w: SequenceWork, kv, bytes_per_token: int, budget_bytes: int) -> bool:
+        """Admission by KV budget: would the K/V of every admitted sequence, w included, stay within the budget once
+        all have joined (the batch `kv` padded to its longest reservation, and never smaller than the buffers it keeps
+        from earlier rows) while their prefill caches exist? One sequence always fits: an idle batch gives back kept
+        buffers first if they and w's prefill would not. `kv`: the decode batch's buffers (runner.py)."""
+        if not bytes_per_token or kv is None:
+            return True
+        seqs = self.running + [x for x in self.active if x.is_sequence]
+        slots = max(kv.slots_for(len(seqs) + 1), kv.slots)
+        cap = max(kv.padded(max(x.need_tokens for x in (*seqs, w))), kv.capacity)
+        prefilling = sum(x.n_prompt for x in seqs if x.row is None) + w.n_prompt
+        if (slots * cap + prefilling) * bytes_per_token <= budget_bytes:
+            return True
+        if not seqs and kv.n_rows == 0:
+            kv.release()
+        return not seqs
+
     def prefill_budget(self) -> int:
         """Tokens live prefill work may run this step (at least one step of it always runs)."""
         return max(1, self.step_token_budget - len(self.running))
+
+    @staticmethod
+    def prefill_share(budget: int) -> int:
+        """Tokens one request's prefill may take per pass over the admitted work: half the step's budget, so the
+        oldest request finishes first while a short one behind a long prefill still finishes in the same step (the
+        long one goes on in chunks)."""
+        return max(1, budget // 2)
 
     def next_background(self, live_pending: bool, quiet: bool = True, current: Work | None = None) -> Work | None:
         """The background work to step now, or None: always when nothing live is pending; under load only while

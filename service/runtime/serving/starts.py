@@ -24,11 +24,10 @@ class SequenceStarts:
     """ServingEngine's prefill and first-token steps (uses its sched, batch, rt, _advance and _leave)."""
 
     def _prefill(self, budget: int) -> None:
-        """Live prefill within `budget` tokens, over admitted work in arrival order, each taking at most half the
-        budget per pass: the oldest request finishes first (its first token comes out as soon as its own prefill
-        ends, not when every request's has), while a short request (a composed prompt's few text tokens) still
-        finishes in this step behind a long prefill, which goes on in chunks. Compositions that left their text
-        tail to the engine (prefill_steps' defer_tail) and finish in this step run their tails together after."""
+        """Live prefill within `budget` tokens, over admitted work in arrival order, each taking at most the
+        scheduler's prefill_share per pass (its first token comes out as soon as its own prefill ends, not when every
+        request's has). Compositions that left their text tail to the engine (prefill_steps' defer_tail) and finish
+        in this step run their tails together after."""
         tails: list[SequenceWork] = []
         self._prefill_pass(budget, tails)
         self._run_tails(tails)
@@ -54,7 +53,7 @@ class SequenceStarts:
         self._start_decoding(w)
 
     def _prefill_pass(self, budget: int, tails: list[SequenceWork]) -> None:
-        spent, share = 0, max(1, budget // 2)
+        spent, share = 0, self.sched.prefill_share(budget)
         while spent < budget and self.sched.active:
             for w in list(self.sched.active):
                 took = 0
