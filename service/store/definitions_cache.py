@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections import OrderedDict
 from typing import Any
 
 from service.store.definitions import DefinitionStore, dump_doc
 from service.store.errors import StoreUnavailable
+from service.store.health import BackendHealth
 
 log = logging.getLogger(__name__)
 
@@ -32,48 +32,33 @@ class CachedDefinitionStore(DefinitionStore):
         self.inner = inner
         self.name = inner.name
         self.max_bytes = max_bytes
-        self.retry_interval_s = retry_interval_s
         self._docs: OrderedDict[tuple[str, str], dict[int, tuple[dict[str, Any], int]]] = OrderedDict()
         self._bytes = 0
-        self.down: str | None = None  # the last StoreUnavailable message while down
-        self.was_up = False  # reached at least once: a process that never was has nothing cached
-        self._retry_at = 0.0
+        self.health = BackendHealth(f"definition store {self.name}", retry_interval_s)
 
     # -- backend state --
 
-    def _available(self) -> bool:
-        if self.down is None:
-            return True
-        now = time.monotonic()
-        if now < self._retry_at:
-            return False
-        self._retry_at = now + self.retry_interval_s  # this caller probes; the others use the cache
-        return True
+    @property
+    def down(self) -> str | None:
+        return self.health.down
 
-    def _mark_down(self, err: StoreUnavailable) -> None:
-        if self.down is None:
-            log.warning("definition store %s is down; serving cached definitions: %s", self.name, err)
-        self.down, self._retry_at = str(err), time.monotonic() + self.retry_interval_s
-
-    def _mark_up(self) -> None:
-        self.was_up = True
-        if self.down is not None:
-            log.warning("definition store %s is back", self.name)
-        self.down = None
+    @property
+    def was_up(self) -> bool:  # reached at least once: a process that never was has nothing cached
+        return self.health.was_up
 
     def _unavailable(self) -> StoreUnavailable:
         return StoreUnavailable(f"definition store {self.name} is unavailable: {self.down or 'down'}")
 
     async def _call(self, fn, *args):
         """Call the backend unless it is known down (then raise without waiting for a timeout)."""
-        if not self._available():
+        if not self.health.available():
             raise self._unavailable()
         try:
             result = await fn(*args)
         except StoreUnavailable as e:
-            self._mark_down(e)
+            self.health.mark_down(e, "serving cached definitions")
             raise
-        self._mark_up()
+        self.health.mark_up()
         return result
 
     # -- the cache (an LRU over skills, bounded by the JSON size of the docs) --
@@ -155,9 +140,9 @@ class CachedDefinitionStore(DefinitionStore):
     async def ping(self) -> bool:
         ok = await self.inner.ping()
         if ok:
-            self._mark_up()
+            self.health.mark_up()
         elif self.down is None:
-            self._mark_down(StoreUnavailable("ping failed"))
+            self.health.mark_down(StoreUnavailable("ping failed"), "serving cached definitions")
         return ok
 
     async def close(self) -> None:

@@ -1,34 +1,27 @@
-"""TieredStore: memory -> disk/redis with read-through, write-through, and compile-once semantics."""
+"""TieredStore: memory -> disk/redis with read-through and write-through; each tier's up/down state in health.py,
+compile-once (one compile per key across callers and replicas) in compile_once.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from service.kv.block import KVBlock
-from service.metrics import COMPILES, STORE_ERRORS, STORE_OPS, STORE_UP
+from service.metrics import STORE_ERRORS, STORE_OPS
 from service.store.base import BlockStore
+from service.store.compile_once import CompileFn, CompileOnce
 from service.store.disk import DiskBlockStore
 from service.store.errors import StoreError, StoreUnavailable, StoreWriteError
+from service.store.health import BackendHealth
 from service.store.hits import HitCounts
 from service.store.key import BlockKey
 
+if TYPE_CHECKING:
+    from service.kv.block import KVBlock
+
 log = logging.getLogger(__name__)
-
-CompileFn = Callable[[], Awaitable[KVBlock]]
-
-
-@dataclass
-class _TierState:
-    down: str | None = None  # last StoreUnavailable message while down
-    retry_at: float = 0.0  # monotonic time before which a down tier is skipped
-    write_error: str | None = None  # last StoreWriteError, cleared by the next successful write
-
 
 class TieredStore:
     """Tiers in order, fastest first. A tier raising StoreUnavailable is skipped for `retry_interval_s`,
@@ -41,43 +34,19 @@ class TieredStore:
         if not tiers:
             raise ValueError("need at least one tier")
         self.tiers = tiers
-        self.lock_timeout_s, self.lock_poll_s = lock_timeout_s, lock_poll_s
         self.retry_interval_s = retry_interval_s
         self.background_fill = background_fill
         self.canonicalize = canonicalize  # applied to compiled blocks (int8 storage: the read-back form)
-        self._state = {t.name: _TierState() for t in tiers}
-        self._inflight: dict[BlockKey, asyncio.Task[tuple[KVBlock, str]]] = {}
+        self._state = {t.name: BackendHealth(f"store tier {t.name}", retry_interval_s, gauge=True) for t in tiers}
         self._fills: set[asyncio.Task[None]] = set()
-        self._lock_tier = next((t for t in tiers if hasattr(t, "try_lock")), None)  # the Redis tier
+        lock_tier = next((t for t in tiers if hasattr(t, "try_lock")), None)  # the Redis tier
+        self.compiles = CompileOnce(self, lock_tier, lock_timeout_s, lock_poll_s)
         self.hits = HitCounts()  # blocks get_or_compile served, per key and tier (ephemeral ones not counted)
 
     # -- tier bookkeeping --
 
     def _available(self, tier: BlockStore) -> bool:
-        """Up, or down but due for a retry. One caller per interval gets the retry (a probe); the
-        others keep skipping the tier, so a black-holed Redis stalls one request, not all of them."""
-        st = self._state[tier.name]
-        if st.down is None:
-            return True
-        now = time.monotonic()
-        if now < st.retry_at:
-            return False
-        st.retry_at = now + self.retry_interval_s
-        return True
-
-    def _mark_down(self, tier: BlockStore, err: StoreUnavailable) -> None:
-        st = self._state[tier.name]
-        if st.down is None:
-            log.warning("store tier %s is down, serving without it: %s", tier.name, err)
-        st.down, st.retry_at = str(err), time.monotonic() + self.retry_interval_s
-        STORE_UP.labels(tier=tier.name).set(0)
-
-    def _mark_up(self, tier: BlockStore) -> None:
-        st = self._state[tier.name]
-        STORE_UP.labels(tier=tier.name).set(1)
-        if st.down is not None:
-            log.warning("store tier %s is back", tier.name)
-            st.down = None
+        return self._state[tier.name].available()
 
     async def _run(self, tier: BlockStore, op: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Call one tier: time it, count errors, track up/down."""
@@ -86,16 +55,16 @@ class TieredStore:
             result = await fn(*args)
         except StoreUnavailable as e:
             STORE_ERRORS.labels(tier=tier.name).inc()
-            self._mark_down(tier, e)
+            self._state[tier.name].mark_down(e)
             raise
         except StoreWriteError as e:
             STORE_ERRORS.labels(tier=tier.name).inc()
             self._state[tier.name].write_error = str(e)
-            self._mark_up(tier)  # it answered: reachable, only the write was refused
+            self._state[tier.name].mark_up()  # it answered: reachable, only the write was refused
             raise
         finally:
             STORE_OPS.labels(tier=tier.name, op=op).observe(time.perf_counter() - t0)
-        self._mark_up(tier)
+        self._state[tier.name].mark_up()
         if op == "put":
             self._state[tier.name].write_error = None
         return result
@@ -212,100 +181,16 @@ class TieredStore:
                 keys += await asyncio.to_thread(tier.list_keys, prefix)
         return keys
 
-    # -- compile once --
+    # -- compile once (compile_once.py) --
 
     async def get_or_compile(self, key: BlockKey, compile_fn: CompileFn,
                              ephemeral: bool = False) -> tuple[KVBlock, str]:
-        """The block and where it came from (a tier name or "compiled"), compiling at most once per key.
-
-        Concurrent callers in this process share one compile (callers that joined it also get
-        "compiled"); with a Redis tier, replicas share one compile through a Redis lock.
-        Cancelling a caller does not cancel the shared compile. `ephemeral`: a one-off block (a
-        recompile edit's variant) kept in the memory tier only, where LRU eviction bounds it; it is
-        never written to disk or Redis, which nothing would ever clean up.
-        """
-        block, source = await self.get(key, ephemeral)
-        if block is None:
-            task = self._inflight.get(key)
-            if task is None:
-                task = asyncio.create_task(self._produce(key, compile_fn, ephemeral))
-                self._inflight[key] = task
-                task.add_done_callback(lambda t: self._task_done(key, t))
-            block, source = await asyncio.shield(task)
+        """The block and where it came from (a tier name or "compiled"), compiling at most once per key
+        (CompileOnce.get)."""
+        block, source = await self.compiles.get(key, compile_fn, ephemeral)
         if not ephemeral:
             self.hits.add(key, source)
-        return block, source  # type: ignore[return-value]
-
-    def _task_done(self, key: BlockKey, task: asyncio.Task[Any]) -> None:
-        if self._inflight.get(key) is task:
-            del self._inflight[key]
-        if not task.cancelled():
-            task.exception()  # mark retrieved: callers that went away must not cause a warning
-
-    async def _produce(self, key: BlockKey, compile_fn: CompileFn, ephemeral: bool = False) -> tuple[KVBlock, str]:
-        block, source = await self.get(key, ephemeral)  # a compile for this key may have finished since our miss
-        if block is not None:
-            return block, source  # type: ignore[return-value]
-        if ephemeral:
-            return await self._compile(key, compile_fn, ephemeral=True)
-        lock = self._lock_tier
-        if lock is None or not self._available(lock):
-            return await self._compile(key, compile_fn)
-        token = secrets.token_hex(16)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.lock_timeout_s
-        while True:
-            try:
-                acquired = await self._run(lock, "lock", lock.try_lock, key, token, self.lock_timeout_s)
-            except StoreError:
-                return await self._compile(key, compile_fn)
-            if acquired:
-                try:
-                    try:
-                        block = await self._lock_tier_get(lock, key)  # the previous holder may have just finished
-                    except StoreError:
-                        block = None
-                    if block is not None:
-                        await self._fill([t for t in self.tiers if t is not lock], key, block)
-                        return block, lock.name
-                    return await self._compile(key, compile_fn)
-                finally:
-                    try:
-                        await self._run(lock, "unlock", lock.unlock, key, token)
-                    except StoreError as e:
-                        log.warning("could not release compile lock for %s (expires by itself): %s", key, e)
-            delay = self.lock_poll_s
-            while loop.time() < deadline:
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, 0.5)
-                try:
-                    block = await self._lock_tier_get(lock, key)
-                    if block is not None:
-                        await self._fill([t for t in self.tiers if t is not lock], key, block)
-                        return block, lock.name
-                    if not await self._run(lock, "lock", lock.lock_held, key):
-                        break  # the holder gave up without storing a block: try to take the lock
-                except StoreError:
-                    return await self._compile(key, compile_fn)
-            else:
-                log.warning("compile lock for %s still held after %.1fs; compiling locally", key, self.lock_timeout_s)
-                return await self._compile(key, compile_fn)
-
-    async def _lock_tier_get(self, lock: BlockStore, key: BlockKey) -> KVBlock | None:
-        return await self._run(lock, "get", lock.get, key)
-
-    async def _compile(self, key: BlockKey, compile_fn: CompileFn, ephemeral: bool = False) -> tuple[KVBlock, str]:
-        block = await compile_fn()
-        COMPILES.inc()
-        if self.canonicalize is not None:
-            block = await asyncio.to_thread(self.canonicalize, block)
-        try:
-            failed = await self.put(key, block, ephemeral)
-            if failed:
-                log.warning("compiled block %s not stored in %s", key, failed)
-        except StoreError as e:
-            log.error("compiled block %s could not be stored anywhere: %s", key, e)
-        return block, "compiled"
+        return block, source
 
     # -- health and lifecycle --
 
@@ -321,18 +206,17 @@ class TieredStore:
             except (asyncio.TimeoutError, StoreError) as e:
                 ok, err = False, str(e) or "ping timed out"
             if ok:
-                self._mark_up(tier)
+                st.mark_up()
                 problem = st.write_error or getattr(tier, "last_error", None)
                 out[tier.name] = f"degraded: {problem}" if problem else "ok"
             else:
-                self._mark_down(tier, StoreUnavailable(st.down or err))
+                st.mark_down(StoreUnavailable(st.down or err))
                 out[tier.name] = f"down: {st.down}"
         return out
 
     def status(self) -> dict[str, str]:
         """Last known per-tier state, without touching the backends."""
-        return {n: f"down: {s.down}" if s.down else (f"degraded: {s.write_error}" if s.write_error else "ok")
-                for n, s in self._state.items()}
+        return {n: s.status() for n, s in self._state.items()}
 
     async def drain(self) -> None:
         """Wait for background read-through fills (tests, shutdown)."""

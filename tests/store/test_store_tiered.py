@@ -108,7 +108,7 @@ async def test_single_flight_in_process(tmp_path: Path, make_key) -> None:
     assert compile_fn.calls == 1 and metric("skillcache_compiles_total") == compiles + 1
     assert {src for _, src in results} == {"compiled"} and all(b is results[0][0] for b, _ in results)
     assert (await store.get_or_compile(make_key(), compile_fn))[1] == "memory" and compile_fn.calls == 1
-    assert store._inflight == {}
+    assert store.compiles.inflight == {}
 
 
 async def test_cancelled_caller_does_not_cancel_shared_compile(tmp_path: Path, make_key) -> None:
