@@ -25,6 +25,7 @@ test: install
 # ruff, configured in pyproject.toml; .ci/run runs it before the tests
 lint: install
 	$(PY) -m ruff check service bench tests clients
+	$(PY) -m mypy
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

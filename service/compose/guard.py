@@ -127,7 +127,8 @@ class FidelityGuard:
         both = await self.run_background(steps(), priority=SHADOW_PRIORITY)
         if both is None:
             return  # the engine's background backlog was full: this sample is skipped
-        fid = logit_agreement(*both, self.s.fidelity_tie_margin)
+        composed, full = both
+        fid = logit_agreement(composed, full, self.s.fidelity_tie_margin)
         ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
         del self.shadow_started[:-100]
         metrics.SHADOW_CHECKS.labels("pass" if ok else "fail").inc()

@@ -11,7 +11,7 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from service import metrics
 from service.config import Settings
@@ -30,9 +30,15 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
+    from service.kv.block import KVBlock
+    from service.memory.registry import LateMemory
+    from service.runtime.prompt import PromptPlan
     from service.store.tiered import TieredStore
     from service.runtime.engine import ModelRuntime, PrefillResult
     from service.runtime.serving import ServingEngine
+
+
+Mode = Literal["compose", "full"]
 
 
 @dataclass
@@ -47,12 +53,12 @@ class ComposeParams:
     messages: list[dict[str, str]]  # OpenAI-style, optional leading system message
     fields: dict[str, str] = field(default_factory=dict)
     gen: GenParams = field(default_factory=GenParams)
-    mode: str = "compose"
+    mode: Mode = "compose"
     seam_tokens: int | None = None
     edit_mode: str = "erratum"
     namespace: str = "default"
     tools: ToolsParams | None = None
-    late: object = None  # blocks placed late, at the head of the user turn: a memory (service/memory/registry.py)
+    late: "LateMemory | None" = None  # blocks placed late, at the head of the user turn: a memory (service/memory/)
     blocks: list[str] = field(default_factory=list)  # unregistered blocks by text, after the skills (TextBlock)
 
 
@@ -63,14 +69,14 @@ class Prepared:
     blocks: list
     sources: list[str]
     edits: list[dict]
-    plan: object
+    plan: "PromptPlan"
     t_start: float
     store_ms: float
     keys: list[str]  # per skill: its registered text's block key, for the fidelity guard (also for variants)
     seams: list[int]  # per skill
     paths: list[str]  # per skill: "compose" or "full" (degraded after a failed shadow check)
-    mode: str  # what actually runs: "compose" or "full"
-    prefix: object = None  # KVBlock: an exact prefix of the plan (refined skill sequence), or None
+    mode: Mode  # what actually runs
+    prefix: "KVBlock | None" = None  # an exact prefix of the plan (refined skill sequence), or None
     tools: ToolsPrep | None = None
     errata: list[str] = field(default_factory=list)  # the erratum lines after the skills (their field edits)
 
@@ -172,7 +178,8 @@ class ComposePipeline:
             check_block_size(tb, self.settings.max_skill_tokens)
         plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, not head_only, late=p.late)
         for seg in plan.segments:
-            if seg.kind == "skill" and seg.skill_index < len(edits):  # the tools and late blocks are never edited
+            # the tools and late blocks are never edited
+            if seg.kind == "skill" and seg.skill_index is not None and seg.skill_index < len(edits):
                 seg.recompute = list(edits[seg.skill_index].recompute)
         tools = None
         if tb is not None:
@@ -184,7 +191,7 @@ class ComposePipeline:
             seams.extend((k, "compose") for k in p.late.seams)
         store_ms = store_s * 1e3
         metrics.STAGE.labels("store").observe(store_ms / 1e3)
-        mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
+        mode: Mode = "full" if p.mode == "full" or any(path == "full" for _, path in seams) else "compose"
         self.rt.check_length(plan.n_tokens + (tools.extra_tokens() if tools else 0), p.gen.max_tokens, mode)
         prefix = await self.refiner.lookup(p.namespace, plan) if mode == "compose" else None
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
@@ -210,6 +217,7 @@ class ComposePipeline:
                          seams: list) -> ToolsPrep:
         """The forced opening and stop strings of the tool choice; the tools block (fetched, or compiled once) as one
         more block after the skills' (blocks, keys, seams grow by one)."""
+        assert p.tools is not None  # a tools block was built from them
         tools = ToolsPrep.make(p.tools, tb, t_index, self.tool_prompt.encode_template)
         self.tool_prompt.force(plan, tools.opening)
         p.gen = tools.gen(p.gen)
@@ -234,7 +242,8 @@ class ComposePipeline:
         metrics.STAGE.labels("prefill").observe(pre.timings_ms["prefill_ms"] / 1e3)
         metrics.STAGE.labels("decode").observe((total_ms - ttft_ms) / 1e3)
         segs = [seg for seg in prep.plan.segments if seg.kind == "skill"]
-        in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends()) if end <= pre.n_prefix}
+        in_prefix = {seg.skill_index for seg, end in zip(segs, prep.plan.skill_ends())
+                     if end <= pre.n_prefix and seg.skill_index is not None}
         fresh = prep.tools.copied_fresh(pre, in_prefix) if prep.tools is not None else 0
         composed, recomputed = pre.n_reused - fresh, pre.n_recomputed + fresh
         metrics.TOKENS.labels("composed").inc(composed)

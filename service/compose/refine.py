@@ -75,8 +75,8 @@ class PrefixRefiner:
 
     async def _held(self, namespace: str, ids: list[int], ends: list[int]) -> "KVBlock | None":
         for end in ends:
-            block, _ = await self.store.get(self.key(namespace, ids[:end]),
-                                            accept=lambda b, end=end: b.token_ids == ids[:end])
+            head = ids[:end]
+            block, _ = await self.store.get(self.key(namespace, head), accept=lambda b: b.token_ids == head)
             if block is not None:
                 return block
         return None
@@ -92,19 +92,20 @@ class PrefixRefiner:
         refine the longest one composed `after` times in the background."""
         if not self._eligible(plan):
             return
-        target = None
+        target: tuple[int, str, int] | None = None
+        settled = False  # the longest head due is pending, or held back: nothing is queued now
         for end in self.heads(plan):
             if end <= n_prefix:
                 break  # this head and the shorter ones are exact already
             k = str(self.key(namespace, plan.ids[:end]))
             self._seen[k] = self._seen.pop(k, 0) + 1
-            if target is None and self._seen[k] >= self.after:  # a pending one gives the shorter heads too
-                target = (end, k, self._seen[k]) if k not in self._pending else False
-                if target and self._seen[k] == 1 and self.guard.engine.serving:
-                    # composed once while other requests are served: most such orders never recur, and each would
-                    # take the background share from those that do (bench/background.py); a second composition
-                    # queues it under any load
-                    target = False
+            if target is None and not settled and self._seen[k] >= self.after:  # a pending one gives the shorter
+                settled = k in self._pending  # heads too
+                # composed once while other requests are served: most such orders never recur, and each would take
+                # the background share from those that do (bench/background.py); a second composition queues it under
+                # any load
+                settled = settled or (self._seen[k] == 1 and self.guard.engine.serving)
+                target = None if settled else (end, k, self._seen[k])
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
         if target:

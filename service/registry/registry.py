@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections.abc import Callable
 
 from service.errors import LimitExceeded, SkillNotFound
@@ -71,14 +72,14 @@ class SkillRegistry:
             raise SkillNotFound(f"{which} {name!r} is not registered; POST it to /v1/skills first")
         return SkillRecord.from_doc(doc)
 
-    async def list(self, namespace: str) -> list[SkillRecord]:
+    async def list(self, namespace: str) -> "builtins.list[SkillRecord]":
         docs = await self.definitions.list(namespace)
         return sorted((SkillRecord.from_doc(d) for d in docs), key=lambda r: r.name)
 
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         return await self.definitions.versions(namespace, name)
 
-    async def delete(self, namespace: str, name: str) -> list[SkillRecord]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[SkillRecord]":
         check_skill_name(name)
         docs = await self.definitions.delete(namespace, name)
         if not docs:

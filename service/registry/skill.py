@@ -52,7 +52,9 @@ def render(text: str, values: dict[str, str]) -> str:
 
 def render_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
     """Render placeholders and return the character spans [start, end) each field's value occupies."""
-    out, spans, cursor = [], {}, 0
+    out: list[str] = []
+    spans: dict[str, list[tuple[int, int]]] = {}
+    cursor = 0
     length = 0
     for m in _PLACEHOLDER_RE.finditer(text):
         literal = text[cursor : m.start()]

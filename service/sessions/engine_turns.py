@@ -17,7 +17,7 @@ prefix cache does not carry earlier turns. Sessions without a memory do not pay 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from service.compose.pipeline import ComposeParams, Final, Prepared
 from service.runtime.params import GenParams
@@ -39,7 +39,7 @@ class EngineTurns:
                 "recomputed_tokens": pre.n_recomputed}
 
     async def start(self, s, plan, blocks: list, seams: list[int], mode: str, gen: GenParams, tools, late,
-                    t0: float) -> tuple[AsyncIterator, dict]:
+                    t0: float) -> tuple[AsyncGenerator, dict]:
         """Start a turn: its events (Delta..., then a Final whose usage and timings `report` fills) and a box that
         holds the engine's counts once the turn is done. Errors before the first token raise here."""
         box: dict = {"t0": t0, "late": late, "store_ms": (time.perf_counter() - t0) * 1e3}  # the memory's blocks
@@ -55,7 +55,7 @@ class EngineTurns:
         return Prepared(params, [], blocks, [], [], plan, t0, 0.0, [], seams, [], mode, None, tools)
 
 
-async def relay(events: AsyncIterator, box: dict, ended, release) -> AsyncIterator:
+async def relay(events: AsyncGenerator, box: dict, ended, release) -> AsyncIterator:
     """A started turn's events, its Final replaced by `ended(final, usage, timings)` (the session's Final);
     `release()` once it ends, however it ends (the session's lock)."""
     try:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from service import metrics
 from service.compose.tooluse import ToolsPrep
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
-from service.compose.pipeline import ComposeParams, ComposePipeline, Final, SkillRef
+from service.compose.pipeline import ComposeParams, ComposePipeline, Final, Mode, SkillRef
 from service.runtime.params import Delta, Done, GenParams
 from service.sessions.embedded_turns import EmbeddedTurns, late_index
 from service.sessions.engine_turns import EngineTurns, relay
@@ -43,7 +43,7 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def create(self, ns: str, refs: list[SkillRef], system: str | None, fields: dict[str, str],
-                     mode: str = "compose", seam_tokens: int | None = None, tools: ToolsParams | None = None,
+                     mode: Mode = "compose", seam_tokens: int | None = None, tools: ToolsParams | None = None,
                      memory: str | None = None, memory_seam_tokens: int | None = None) -> tuple[Session, dict]:
         """`tools`: offered on every turn; their block is composed into the head with the skills. `memory`: floated
         before every user turn, never part of the head."""
@@ -151,7 +151,7 @@ class SessionManager:
             tb = self.p.tool_prompt.block(params) if params is not None else None
             plan, t_index = self.p.tool_prompt.build(self._head(s) + messages, s.skill_ids, s.base_errata, tb,
                                                      late=late)
-            tools = ToolsPrep.make(params, tb, t_index, self.p.tool_prompt.encode_template) if tb else None
+            tools = ToolsPrep.make(params, tb, t_index, self.p.tool_prompt.encode_template) if tb and params else None
             if tools is not None:
                 self.p.tool_prompt.force(plan, tools.opening)
                 gen = tools.gen(gen)
@@ -163,13 +163,13 @@ class SessionManager:
                 blocks, seams, mode = await self._head_blocks(s, records, tb, t_index)
                 events, box = await self.engine_turns.start(s, plan, blocks, seams, mode, gen, tools, late, t0)
 
-                def ended(final: Final, usage: dict, timings: dict) -> Final:
+                def on_engine_end(final: Final, usage: dict, timings: dict) -> Final:
                     s.ids = ids + (tools.tail_ids if tools is not None else []) + final.done.token_ids
                     memory = late.report(box["pre"].seams, late_index(plan, late)) if late else None
                     return self._ended(s, messages, fields, changed, errata, final.done, usage, timings, tools,
                                        memory)
 
-                out = relay(events, box, ended, s.lock.release)
+                out = relay(events, box, on_engine_end, s.lock.release)
             else:
                 run = await self.embedded_turns.start(s, ids, gen, tools, (plan, late) if late else None, t0)
 

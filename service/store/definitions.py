@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+
 import abc
 import asyncio
 import copy
@@ -57,15 +59,15 @@ class DefinitionStore(abc.ABC):
         """The latest version of every skill in the namespace, sorted by name."""
 
     @abc.abstractmethod
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         """The stored versions, ascending."""
 
     @abc.abstractmethod
-    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[dict[str, Any]]":
         """Remove every version; returns the removed docs (ascending version) so blocks can be deleted."""
 
     @abc.abstractmethod
-    async def namespaces(self) -> list[str]:
+    async def namespaces(self) -> "builtins.list[str]":
         """Every namespace that holds at least one doc, sorted (a few may be empty after deletes)."""
 
     async def ping(self) -> bool:
@@ -97,16 +99,16 @@ class MemoryDefinitionStore(DefinitionStore):
         check_name(namespace, "namespace")
         return [copy.deepcopy(d[max(d)]) for (ns, _), d in sorted(self._docs.items()) if ns == namespace and d]
 
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         check_name(namespace, "namespace"), check_name(name, "name")
         return sorted(self._docs.get((namespace, name)) or {})
 
-    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[dict[str, Any]]":
         check_name(namespace, "namespace"), check_name(name, "name")
         docs = self._docs.pop((namespace, name), {})
         return [docs[v] for v in sorted(docs)]
 
-    async def namespaces(self) -> list[str]:
+    async def namespaces(self) -> "builtins.list[str]":
         return sorted({ns for (ns, _), d in self._docs.items() if d})
 
 
@@ -203,13 +205,13 @@ class DiskDefinitionStore(DefinitionStore):
     async def list(self, namespace: str) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._list, namespace)
 
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         return await asyncio.to_thread(self._versions, self._dir(namespace, name))
 
-    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[dict[str, Any]]":
         return await asyncio.to_thread(self._delete, namespace, name)
 
-    async def namespaces(self) -> list[str]:
+    async def namespaces(self) -> "builtins.list[str]":
         return await asyncio.to_thread(self._namespaces)
 
     async def ping(self) -> bool:

@@ -12,6 +12,8 @@ black-holed Redis costs one timeout per interval rather than one per request.
 
 from __future__ import annotations
 
+import builtins
+
 import copy
 import logging
 from collections import OrderedDict
@@ -120,7 +122,7 @@ class CachedDefinitionStore(DefinitionStore):
     async def list(self, namespace: str) -> list[dict[str, Any]]:
         return await self._call(self.inner.list, namespace)
 
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         try:
             return await self._call(self.inner.versions, namespace, name)
         except StoreUnavailable:
@@ -129,12 +131,12 @@ class CachedDefinitionStore(DefinitionStore):
                 raise self._unavailable() from None
             return sorted(versions)  # the versions this process has seen
 
-    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[dict[str, Any]]":
         docs = await self._call(self.inner.delete, namespace, name)
         self._forget(namespace, name)
         return docs
 
-    async def namespaces(self) -> list[str]:
+    async def namespaces(self) -> "builtins.list[str]":
         return await self._call(self.inner.namespaces)
 
     async def ping(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+
 import json
 import logging
 from contextlib import AbstractAsyncContextManager
@@ -95,11 +97,11 @@ class RedisDefinitionStore(DefinitionStore):
         skills = [self._skill_key(namespace, n) for n in names]
         return [doc for skill, r in zip(skills, results) if (doc := self._latest(skill, r)) is not None]
 
-    async def versions(self, namespace: str, name: str) -> list[int]:
+    async def versions(self, namespace: str, name: str) -> "builtins.list[int]":
         async with self._guard():
             return sorted(int(v) for v in await self._r.hkeys(self._skill_key(namespace, name)))
 
-    async def delete(self, namespace: str, name: str) -> list[dict[str, Any]]:
+    async def delete(self, namespace: str, name: str) -> "builtins.list[dict[str, Any]]":
         skill, names = self._skill_key(namespace, name), self._names_key(namespace)
         async with self._guard(write=True):
             async with self._r.pipeline(transaction=True) as pipe:
@@ -117,7 +119,7 @@ class RedisDefinitionStore(DefinitionStore):
         docs = (self._parse(versions[v], f"{skill} version {v}") for v in sorted(versions, key=int))
         return [doc for doc in docs if doc is not None]
 
-    async def namespaces(self) -> list[str]:
+    async def namespaces(self) -> "builtins.list[str]":
         head, tail = f"{self.prefix}:def:{{", "}:names"  # SCAN: O(keys) per call; for background sweeps only
         async with self._guard():
             keys = [k async for k in self._r.scan_iter(match=f"{head}*{tail}", count=1000)]
