@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 from service.registry.skill import NAME_PATTERN
 
@@ -48,7 +48,7 @@ class GenerationIn(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[StopString] | StopString | None = None
-    stream: bool = False
+    stream: StrictBool = False  # JSON true or false: "yes" or 1 is a 422, not a stream
 
 
 FieldValues = dict[str, Annotated[str, StringConstraints(max_length=1024)]]

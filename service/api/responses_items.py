@@ -1,0 +1,181 @@
+"""The Responses API's side of the pipeline: the fields this service refuses, input items -> the pipeline's
+OpenAI-shaped message dicts, and the Response object (output items, usage, the echoed request settings) built from
+the pipeline's Final.
+
+Items map to messages as chat completions' do (service/api/chat_messages.py): `instructions` and leading
+system/developer messages make the system turn; a `function_call` item joins the assistant message before it (or
+makes one); a `function_call_output` item is a `tool` message. The tool turns are checked as OpenAI checks them
+(service/tools/conversation.py), with errors naming the input item.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from service.api.schemas.responses import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from service.compose.pipeline import Final
+from service.errors import InvalidRequest
+from service.tools.conversation import link_results
+from service.tools.events import tool_calls_of
+from service.tools.spec import ToolCall
+
+DEFAULT_MAX_OUTPUT_TOKENS = 256
+STATELESS = "this service keeps no responses or conversations; send the whole conversation as input items"
+_INCLUDABLE = {"reasoning.encrypted_content"}  # no reasoning items are produced: nothing to include, honoured as is
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    """422 naming the first field set to something this service does not do (neutral values and defaults pass)."""
+    text, reasoning = body.text, body.reasoning
+    fmt = text.format.type if text is not None and text.format is not None else "text"
+    checks = [
+        ("previous_response_id", body.previous_response_id is not None, STATELESS),
+        ("store", body.store is True, f"{STATELESS}; send store: false, or leave it out"),
+        ("conversation", body.conversation is not None, STATELESS),
+        ("background", body.background is True, "responses are generated while the request waits"),
+        ("max_tokens", body.max_tokens is not None, "this is the Responses API; the length is max_output_tokens"),
+        ("text.format", fmt != "text", "output is not constrained to JSON or a schema"),
+        ("text.verbosity", text is not None and text.verbosity not in (None, "medium"), "verbosity is not steered"),
+        ("reasoning", reasoning is not None and (reasoning.effort not in (None, "none") or reasoning.summary
+                                                 is not None or reasoning.generate_summary is not None),
+         "the model does not reason before it answers; leave it out or send effort none"),
+        ("include", bool(set(body.include or []) - _INCLUDABLE), "only reasoning.encrypted_content (there is none)"),
+        ("truncation", body.truncation == "auto", "the conversation is never truncated; a too long one is a 413"),
+        ("service_tier", body.service_tier not in (None, "auto", "default"), "there is one service tier"),
+        ("stream_options.include_obfuscation", bool(body.stream_options and body.stream_options.include_obfuscation),
+         "stream events are not obfuscated"),
+        ("top_logprobs", bool(body.top_logprobs), "log probabilities are not returned by this API"),
+        ("max_tool_calls", body.max_tool_calls is not None, "tool calls are not capped; parallel_tool_calls false "
+                                                            "makes at most one"),
+        ("prompt", body.prompt is not None, "there are no stored prompts; send instructions and input"),
+        ("prompt_cache_retention", body.prompt_cache_retention is not None, "cache retention is the service's own"),
+        ("prompt_cache_options", body.prompt_cache_options is not None, "cache behaviour is the service's own"),
+        ("context_management", body.context_management is not None, "the context is not compacted"),
+        ("moderation", body.moderation is not None, "there is no moderation"),
+        ("image", body.image is not None, "the model produces text only"),
+        ("access_programs", body.access_programs is not None, "there are no access programs"),
+        ("background_options", body.background_options is not None, "responses are not run in the background"),
+    ]
+    for name, bad, why in checks:
+        if bad:
+            raise InvalidRequest(f"{name}: not supported by this service ({why})")
+    for i, t in enumerate(body.tools or []):
+        if t.type != "function":
+            raise InvalidRequest(f"tools.{i}.type: {t.type!r} is not supported by this service (function tools only:"
+                                 " it runs no built-in tools)")
+
+
+def conversation(body: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as the pipeline's message dicts; 422 naming the input item out of place."""
+    items = [] if isinstance(body.input, str) else body.input
+    out: list[dict] = []
+    src: list[int] = []  # the input item each message comes from (-1: instructions)
+    if body.instructions is not None:
+        out.append({"role": "system", "content": body.instructions})
+        src.append(-1)
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            fn = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": fn}
+            if out[-1:] and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                src.append(i)
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            src.append(i)
+        elif item.role in ("system", "developer"):
+            if out and out[-1]["role"] != "system":
+                raise InvalidRequest(f"input.{i}: a {item.role} message must come before the conversation")
+            if out:  # instructions and leading system messages make one system turn
+                out[0]["content"] += "\n\n" + item.text()
+            else:
+                out.append({"role": "system", "content": item.text()})
+                src.append(i)
+        else:
+            out.append({"role": item.role, "content": item.text()})
+            src.append(i)
+    if isinstance(body.input, str):
+        out.append({"role": "user", "content": body.input})
+        src.append(0)
+    if not out or out[-1]["role"] not in ("user", "tool"):
+        raise InvalidRequest("input: the last item must be a user message or a function_call_output")
+    try:
+        link_results(out, where=lambda j: "instructions" if src[j] < 0 else f"input.{src[j]}")
+    except InvalidRequest as e:  # in the Responses API's words
+        raise InvalidRequest(e.message.replace(".tool_call_id:", ".call_id:").replace(
+            "tool message", "function_call_output item")) from None
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def usage(final: Final) -> dict:
+    u = final.usage
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "input_tokens_details": {"cached_tokens": u["reused_tokens"], "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def extra(final: Final) -> dict:
+    """The `skillcache` object: timings, skills, edits (and tools, memory), as chat completions reports them."""
+    out = {"timings": final.timings, "skills": final.skills, "edits": final.edits}
+    if final.memory is not None:
+        out["memory"] = final.memory
+    return {**out, "tools": final.tools} if final.tools is not None else out
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [text_part(text)]}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
+    args = "" if status == "in_progress" else call.arguments
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name, "arguments": args,
+            "status": status}
+
+
+def output_items(final: Final) -> list[dict]:
+    """The reply as output items: its text as one message (none when the reply is only calls), then its calls."""
+    calls = tool_calls_of(final.done)
+    status = "incomplete" if final.done.finish_reason == "length" else "completed"
+    msg = [message_item(new_id("msg"), final.done.text, status)] if final.done.text or not calls else []
+    return msg + [call_item(new_id("fc"), c) for c in calls]
+
+
+class ResponseHead:
+    """The Response object's fields that do not depend on the reply: id, model, and the request's settings."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.id, self.created_at = new_id("resp"), int(time.time())
+        choice = body.tool_choice or "auto"
+        self.fields = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": model,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+            "tools": [t.model_dump() for t in body.tools or []], "text": {"format": {"type": "text"}},
+            "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
+            "reasoning": None, "service_tier": "default", "top_logprobs": 0, "user": body.user,
+            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+            "error": None, "incomplete_details": None,
+        }
+
+    def response(self, output: list[dict], final: Final | None = None) -> dict:
+        """The Response: in progress (no final yet), completed, or incomplete (the output hit max_output_tokens)."""
+        if final is None:
+            return {**self.fields, "status": "in_progress", "output": output, "usage": None}
+        cut = final.done.finish_reason == "length"
+        return {**self.fields, "status": "incomplete" if cut else "completed",
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                "completed_at": None if cut else int(time.time()), "output": output, "usage": usage(final)}
