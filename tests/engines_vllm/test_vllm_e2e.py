@@ -213,6 +213,42 @@ def test_required_among_several_tools_is_a_call_of_one_of_them(client, vllm):
     assert {c["function"]["name"] for c in out["tool_calls"]} <= {"track_order", "refund_order"}
 
 
+def test_responses_and_messages_compose_on_vllm_through_the_sdks(client, vllm):
+    """The drop-in APIs run on the vLLM engine like /v1/compose: a registered skill (Responses, extra_body) and a
+    cache_control system block (Messages) are loaded into vLLM as composed K/V, and each SDK's usage says so."""
+    import anthropic
+    from openai import OpenAI
+
+    oai = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    before = sources(vllm)
+    r = oai.responses.create(model="x", input="Do you ship to Canada?", max_output_tokens=8,
+                             extra_body={"skills": ["shipping"]})
+    moved = delta(before, sources(vllm))
+    cached = r.usage.input_tokens_details.cached_tokens
+    assert r.output_text.strip() and cached > 40, r.usage
+    assert moved["external_kv_transfer"] + moved["local_cache_hit"] == cached, (moved, r.usage)
+    assert moved["local_compute"] == r.usage.input_tokens - cached
+
+    ant = anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=client, max_retries=0)
+    policy = SKILL_A + " Ask for the order number first."  # not a registered skill's text: compiled on first sight
+    system = [{"type": "text", "text": policy, "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "Answer in one sentence."}]
+    first = ant.messages.create(model="x", max_tokens=8, system=system,
+                                messages=[{"role": "user", "content": "Can I return a gift card?"}])
+    assert first.usage.cache_creation_input_tokens > 40 and first.content[0].text.strip(), first.usage
+    before = sources(vllm)
+    with ant.messages.stream(model="x", max_tokens=8, system=system,
+                             messages=[{"role": "user", "content": "How long do refunds take?"}]) as stream:
+        text = "".join(stream.text_stream)
+        again = stream.get_final_message()
+    moved = delta(before, sources(vllm))
+    u = again.usage
+    assert text == again.content[0].text and u.cache_creation_input_tokens == 0, u
+    assert u.cache_read_input_tokens >= first.usage.cache_creation_input_tokens - 8, (first.usage, u)
+    assert moved["external_kv_transfer"] + moved["local_cache_hit"] >= u.cache_read_input_tokens, (moved, u)
+    assert moved["local_compute"] < u.input_tokens + u.cache_creation_input_tokens + 8, (moved, u)
+
+
 def test_vllm_killed_mid_stream_is_a_typed_error_then_recovers(client, vllm):
     with client.stream("POST", "/v1/compose", json={"skills": ["returns"], "user": "Write a long poem about refunds.",
                                                      "max_tokens": 400, "stream": True}) as r:
