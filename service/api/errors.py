@@ -54,13 +54,18 @@ def error_response(status: int, error_type: str, message: str, headers: dict | N
     ERRORS.labels(error_type).inc()
     if rid is not None:
         headers = {**(headers or {}), "X-Request-ID": rid}
-    if request is not None and request.url.path.startswith("/v1/messages"):
-        return JSONResponse({**anthropic_error(status, error_type, message), "request_id": rid}, status_code=status,
-                            headers=headers)
+    path = request.url.path if request is not None else ""
+    return JSONResponse(error_body(path, status, error_type, message, rid), status_code=status, headers=headers)
+
+
+def error_body(path: str, status: int, error_type: str, message: str, rid: str | None = None) -> dict:
+    """The error's JSON for a request to `path`: Anthropic's shape on the Messages API, ours everywhere else."""
+    if path.startswith("/v1/messages"):
+        return {**anthropic_error(status, error_type, message), "request_id": rid}
     body = {"type": error_type, "message": message}
     if rid is not None:
         body["request_id"] = rid
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
+    return {"error": body}
 
 
 def error_payload(exc: BaseException) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from service.api.errors import error_body
 from service.metrics import ERRORS
 
 
@@ -18,7 +19,7 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max:
-            return await self._reject(send)
+            return await self._reject(scope, send)
         seen = 0
         too_large = started = False
 
@@ -44,12 +45,12 @@ class BodyLimitMiddleware:
         except _TooLarge:
             pass
         if too_large and not started:
-            await self._reject(send)
+            await self._reject(scope, send)
 
-    async def _reject(self, send) -> None:
+    async def _reject(self, scope, send) -> None:
         ERRORS.labels("limit_exceeded").inc()
-        body = json.dumps({"error": {"type": "limit_exceeded", "message": (
-            f"request body exceeds {self.max} bytes (SKILLCACHE_MAX_BODY_BYTES)")}}).encode()
+        message = f"request body exceeds {self.max} bytes (SKILLCACHE_MAX_BODY_BYTES)"
+        body = json.dumps(error_body(scope.get("path", ""), 413, "limit_exceeded", message)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

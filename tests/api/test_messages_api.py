@@ -144,9 +144,10 @@ def test_what_the_sdk_sends_is_accepted(sdk):
 
 # ---- responses, streaming, usage ------------------------------------------------------------------------------------
 def test_usage_adds_up_to_the_same_prompt_as_chat_completions(client, sdk):
-    m = sdk.messages.create(model="m", max_tokens=2, system="Be brief.", messages=_USER)
+    system = PREAMBLE + " " + POLICY + " Be brief."  # a plain string over 256 characters (256 bounds the blocks)
+    m = sdk.messages.create(model="m", max_tokens=2, system=system, messages=_USER)
     chat = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
-        {"role": "system", "content": "Be brief."}, *_USER]}).json()
+        {"role": "system", "content": system}, *_USER]}).json()
     u = m.usage
     assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens == \
         chat["usage"]["prompt_tokens"]

@@ -123,7 +123,7 @@ class MessagesRequest(Composition):
     model: Annotated[str, StringConstraints(max_length=256)]
     max_tokens: int = Field(ge=1, le=1_000_000)
     messages: list[MessageIn] = Field(min_length=1, max_length=1024)
-    system: Text | list[TextBlockIn] | None = Field(None, max_length=256)
+    system: Text | Annotated[list[TextBlockIn], Field(max_length=256)] | None = None  # the bound: blocks, not text
     stop_sequences: list[StopString] | None = Field(None, max_length=16)
     stream: StrictBool = False
     temperature: float = Field(0.0, ge=0.0, le=1.0, description="0 (the default here): greedy")
