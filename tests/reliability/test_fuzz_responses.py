@@ -7,47 +7,22 @@ import httpx
 import pytest
 
 from conftest import ADMIN, app_client, bearer, documented_error_types, uvicorn_thread, write_keys
+from fuzzing import fuzz, report
 
 TEXT = "Refunds are allowed within 30 days of delivery when the item is unused."
+OP = "POST /v1/responses"
 EXAMPLES = 40  # x 2 modes, one operation: ~80 requests on the tiny model, well under a minute
 
 
 def test_schemathesis_responses_no_server_errors_and_responses_match_the_schema(tmp_path):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis import GenerationMode
-    from schemathesis.checks import (
-        content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance,
-    )
-
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     with uvicorn_thread(tmp_path, api_keys_file=write_keys(tmp_path / "keys.json"), max_tokens_cap=16,
                         max_skills_per_request=4) as (url, _app):
         auth = bearer(ADMIN)
         assert httpx.post(f"{url}/v1/skills", json={"name": "a", "text": TEXT}, headers=auth).status_code == 201
-        schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-        [op] = [r.ok() for r in schema.get_all_operations() if r.ok().label == "POST /v1/responses"]
-        failures: dict[str, str] = {}
-        statuses: set[int] = set()
-        n_cases = 0
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(op.as_strategy(generation_mode=mode))
-            def run(case):
-                nonlocal n_cases
-                n_cases += 1
-                response = case.call(base_url=url, headers=auth, timeout=60)
-                statuses.add(response.status_code)
-                try:
-                    case.validate_response(response, checks=checks)
-                except BaseException as e:  # noqa: BLE001 - collected, reported together below
-                    failures.setdefault(mode.value, str(e)[:1500])
-
-            run()
-        print(f"schemathesis: {n_cases} requests on POST /v1/responses;", sorted(statuses))
-        assert not failures, "\n\n".join(f"{k}: {v}" for k, v in failures.items())
-        assert n_cases >= 40 and 422 in statuses
+        n_cases, statuses, failures = fuzz(url, {OP}, auth, EXAMPLES)
+        print(f"schemathesis: {n_cases} requests on {OP};", sorted(statuses[OP]))
+        assert not failures, report(failures)
+        assert n_cases >= 40 and 422 in statuses[OP]
         assert httpx.get(f"{url}/readyz").status_code == 200  # still serving
 
 
