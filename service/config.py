@@ -94,6 +94,15 @@ class Settings(BaseSettings):
                                          "step at most")
     shadow_sample_rate: float = Field(0.02, ge=0.0, le=1.0, description="compose requests re-run in full, idle")
 
+    # automatic reuse (service/compose/auto.py): exact K/V of repeated prompt heads, nothing registered
+    auto_reuse: bool = Field(True, description="keep the exact K/V of every prompt's head (embedded engine) and serve "
+                             "the longest one a later prompt of the same tenant opens with, copied, as an exact "
+                             "prefix; usage counts it as cached (auto_tokens). Off: only registered skills and refined "
+                             "heads are reused")
+    auto_cache_bytes: int = Field(1024**3, ge=0, description="budget of the kept heads (process memory, apart from "
+                                  "memory_cache_bytes and kv_budget_bytes), least recently used first out; 0: off")
+    auto_min_tokens: int = Field(64, ge=1, description="shortest head kept or served")
+
     # edits: one line per changed field, appended after the skill blocks ({field}, {value})
     erratum_template: str = (
         "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. Apply the current value."

@@ -14,7 +14,8 @@ STAGE = Histogram(
     "skillcache_stage_seconds", "Time per request stage (compile, store, prefill, decode)", ["stage"],
     buckets=_LATENCY_BUCKETS,
 )
-TOKENS = Counter("skillcache_prompt_tokens_total", "Prompt tokens by how they were obtained", ["kind"])
+TOKENS = Counter("skillcache_prompt_tokens_total", "Prompt tokens by how they were obtained (composed, prefix, auto, "
+                 "recomputed)", ["kind"])
 SKILL_HITS = Counter("skillcache_skill_hits_total", "Skill blocks served, by tier", ["tier"])
 COMPILES = Counter("skillcache_compiles_total", "Skill blocks compiled")
 QUEUE_DEPTH = Gauge("skillcache_queue_depth", "Live work waiting to be admitted by the serving engine")
@@ -64,6 +65,12 @@ REFINED_PREFIXES = Counter("skillcache_refined_prefixes_total",
 REFINE_TOKENS = Counter("skillcache_refine_tokens_total", "Tokens of refined prefixes, by how they were obtained: "
                         "prefilled in the background, copied from a shorter prefix already refined, or donated by a "
                         "live full prefill", ["kind"])
+AUTO_LOOKUPS = Counter("skillcache_auto_head_lookups_total", "Automatic head lookups (SKILLCACHE_AUTO_REUSE): hit "
+                      "(a head served), miss (none held), short (held, but shorter than SKILLCACHE_AUTO_MIN_TOKENS "
+                      "where the prompt allows a head to end)", ["result"])
+AUTO_BYTES = Gauge("skillcache_auto_cache_bytes", "Bytes the automatic heads hold (within SKILLCACHE_AUTO_CACHE_BYTES)")
+AUTO_EVICTIONS = Counter("skillcache_auto_cache_evictions_total", "Automatic head spans dropped, least recently used "
+                         "first, to stay within SKILLCACHE_AUTO_CACHE_BYTES")
 DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")
 
 # sessions

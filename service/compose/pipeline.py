@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 from service import metrics
 from service.config import Settings
+from service.compose.auto import AutoHeads
 from service.compose.edits import check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
@@ -106,7 +107,9 @@ class ComposePipeline:
         self.refiner = PrefixRefiner(settings.refine_after, settings.background_chunk_tokens, runtime, store,
                                      self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
-        self.runner = EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard)  # AppState may swap it
+        self.auto = AutoHeads(settings, runtime.fingerprint)  # automatic exact heads (embedded engine)
+        self.runner = EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard, self.auto)  # AppState may
+        # swap it
 
     def use_engine(self, runner) -> None:
         """Run prepared requests on `runner` (service/engines/) instead of this process's serving engine."""
@@ -247,12 +250,13 @@ class ComposePipeline:
         fresh = prep.tools.copied_fresh(pre, in_prefix) if prep.tools is not None else 0
         composed, recomputed = pre.n_reused - fresh, pre.n_recomputed + fresh
         metrics.TOKENS.labels("composed").inc(composed)
-        metrics.TOKENS.labels("prefix").inc(pre.n_prefix)
+        metrics.TOKENS.labels("prefix").inc(pre.n_prefix - pre.n_auto)
+        metrics.TOKENS.labels("auto").inc(pre.n_auto)
         metrics.TOKENS.labels("recomputed").inc(recomputed)
-        usage = {
+        usage = {  # auto_tokens: of prefix_tokens, those from an automatic head (service/compose/auto.py)
             "prompt_tokens": pre.n_prompt, "reused_tokens": composed + pre.n_prefix,
-            "composed_tokens": composed, "prefix_tokens": pre.n_prefix, "recomputed_tokens": recomputed,
-            "completion_tokens": len(done.token_ids),
+            "composed_tokens": composed, "prefix_tokens": pre.n_prefix, "auto_tokens": pre.n_auto,
+            "recomputed_tokens": recomputed, "completion_tokens": len(done.token_ids),
         }
         timings = {
             "ttft_ms": round(ttft_ms, 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),

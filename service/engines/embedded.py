@@ -4,7 +4,8 @@ The prompt's cache is built by the runtime's prefill steps (composition, or the 
 decode run batched with other requests. Refinement is this engine's: an order composed often enough is prefilled
 exactly in the background (service/compose/refine.py) and served as an exact prefix from then on; a request that runs
 in full donates its K/V to a refinement that wants it. Shadow checks (service/compose/guard.py) compare composed
-and full logits after the response.
+and full logits after the response. Automatic heads (service/compose/auto.py): each prompt's exact K/V is kept when
+its sequence joins the batch, and a later prompt of the tenant that opens with it copies the longest one first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from service.runtime.params import Delta, Done
 from service.tools.events import parsed
 
 if TYPE_CHECKING:
+    from service.compose.auto import AutoHeads
     from service.compose.pipeline import Final, Prepared
     from service.runtime.engine import PrefillResult
 
@@ -25,12 +27,13 @@ if TYPE_CHECKING:
 class EmbeddedEngine:
     keeps_conversations = False  # a session's cache is held by the session manager, in this process
 
-    def __init__(self, settings, runtime, serving, refiner, guard) -> None:
+    def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
         self.settings = settings
         self.rt = runtime
         self.serving = serving
         self.refiner = refiner
         self.guard = guard
+        self.auto = auto  # automatic exact heads (service/compose/auto.py); None or disabled: off
 
     async def health(self) -> bool:
         return True  # the model thread is this process: /livez covers it
@@ -54,20 +57,42 @@ class EmbeddedEngine:
                 coro = self.refiner.donate(prep.params.namespace, prep.plan, block)
                 loop.call_soon_threadsafe(self.guard.spawn, coro)
 
-        # the text tail is left to the engine (run together with other requests' tails), unless a tool opening
-        # continues the prefill after it
-        steps = self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
-                                      prefix=prep.prefix, chunk=self.settings.prefill_chunk_tokens,
-                                      defer_tail=prep.tools is None)
+        auto = self.auto if self.auto is not None and self.auto.enabled else None
+        steps = self._prefill(prep, auto)
         n_prompt = prep.plan.n_tokens
         if prep.tools is not None:
             steps, n_prompt = prep.tools.steps(self.rt, steps), n_prompt + prep.tools.extra_tokens()
-        job = self.serving.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled)
+        on_joined = None
+        if auto is not None:
+            ns, plan = prep.params.namespace, prep.plan
+
+            def on_joined(pre: "PrefillResult") -> None:  # on the engine: the prompt's K/V are final
+                # store K/V in it: a block, or a refined prefix (not exact under int8 tiers: AutoHeads.keep)
+                auto.keep(ns, plan, pre, prep.mode == "compose" and (bool(prep.blocks) or pre.n_prefix > pre.n_auto))
+
+        job = self.serving.submit_sequence(steps, prep.params.gen, n_prompt, on_prefilled=on_prefilled,
+                                           on_joined=on_joined)
         stream = job.stream()
         first = await anext(stream)  # prefill errors surface here, before any byte is sent
         events = self._events(prep, first, stream, box, finish)
         parser = prep.tools.parser() if prep.tools is not None else None  # after the prefill: its choice made
         return parsed(events, parser) if parser is not None else events
+
+    def _prefill(self, prep: "Prepared", auto: "AutoHeads | None"):
+        """The request's prefill steps; first (on the engine, in the first step) the longest automatic head its
+        prompt opens with, when it is longer than the refined prefix `prepare` found."""
+        prefix, n_auto = prep.prefix, 0
+        if auto is not None and prep.mode == "compose":
+            hit = auto.match(prep.params.namespace, prep.plan)
+            if hit is not None and hit.n_tokens > (prefix.n_tokens if prefix is not None else 0):
+                prefix, n_auto = hit, hit.n_tokens
+        # the text tail is left to the engine (run together with other requests' tails), unless a tool opening
+        # continues the prefill after it
+        pre = yield from self.rt.prefill_steps(prep.plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams,
+                                               prefix=prefix, chunk=self.settings.prefill_chunk_tokens,
+                                               defer_tail=prep.tools is None)
+        pre.n_auto = n_auto
+        return pre
 
     async def _events(self, prep: "Prepared", first, stream, box, finish) -> AsyncIterator["Delta | Final"]:
         item = first

@@ -10,7 +10,8 @@ ever reads them.
 Refinement: once a composition has been served SKILLCACHE_REFINE_AFTER times, vLLM prefills its head exactly in the
 background (one request of the head's ids under `exact:<namespace>`, one token generated); when that is done the
 order goes out under the exact salt with no head, and vLLM's own prefix cache serves the exact head (no second copy
-of it here). mode=full: the exact salt, no head.
+of it here). mode=full: the exact salt, no head. Automatic reuse is vLLM's own prefix cache under the exact salt: what
+it serves past a refined head (or of a prompt with no head) is reported as `auto_tokens`, as on the embedded engine.
 """
 
 from __future__ import annotations
@@ -221,8 +222,11 @@ class VllmEngine:
             metrics.VLLM_HEADS.labels("rejected").inc()
             log.warning("vLLM computed %d of the %d head tokens skillcache published", h - cached, h)
         # what vLLM did not compute came from the head it loaded or its prefix cache: composed K/V under an approximate
-        # salt, exact K/V under the exact one
+        # salt, exact K/V under the exact one. Exact beyond a refined head (h: its length), or with no head at all (no
+        # skills, mode=full): vLLM's prefix cache served a repeated prompt head, salted per tenant, as the embedded
+        # engine's automatic heads do (service/compose/auto.py): usage and metrics say auto for it
         pre.n_reused, pre.n_prefix = (cached, 0) if approx else (0, cached)
+        pre.n_auto = 0 if approx else max(0, cached - h)
         pre.n_recomputed = n - cached
         done = Done(reason or "stop", "".join(text), ids, top)
         yield finish(prep, done, pre, ttft_ms)

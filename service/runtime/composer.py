@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, new_cache
+from service.kv.radix import HeadMatch
 from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
 from service.runtime.prompt import PromptPlan, Segment
 
@@ -42,7 +43,7 @@ class Composer:
     def __init__(self, rt: "ModelRuntime") -> None:
         self.rt = rt
 
-    def _skip_prefix(self, plan: PromptPlan, prefix: KVBlock, cache: DynamicCache) -> list[Segment]:
+    def _skip_prefix(self, plan: PromptPlan, prefix: "KVBlock | HeadMatch", cache: DynamicCache) -> list[Segment]:
         """Copy an exact prefix (plan.ids[:N]: it ends at a segment boundary or inside a text segment, before the
         prompt's end) into the empty cache; return the segments after it (a text segment cut at N keeps its rest)."""
         n = prefix.n_tokens
@@ -57,7 +58,10 @@ class Composer:
                 rest = [Segment("text", seg.ids[n - start:])] if start < n else [seg]
                 break
             start = end
-        append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
+        if isinstance(prefix, HeadMatch):
+            prefix.append_to(cache)  # spans of L x [1, H_kv, t, D], copied out of the head tree
+        else:
+            append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
         return rest + plan.segments[i + 1:]
 
     def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
@@ -72,8 +76,8 @@ class Composer:
     @torch.inference_mode()
     def steps(
         self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose", seam_tokens: int | list[int] = 4,
-        prefix: KVBlock | None = None, chunk: int | None = None, reserve_tokens: int = 0, defer_tail: bool = False,
-        tail_limit: int = DEFERRED_TAIL_TOKENS,
+        prefix: "KVBlock | HeadMatch | None" = None, chunk: int | None = None, reserve_tokens: int = 0,
+        defer_tail: bool = False, tail_limit: int = DEFERRED_TAIL_TOKENS,
     ) -> Steps:
         """Build the request's cache for `plan` and return the next-token logits (a PrefillResult), in steps: each
         forward of at most `chunk` tokens (None: each text run in one) is a step; block copies happen in between.
@@ -84,8 +88,11 @@ class Composer:
         canonical copy. full: the token-identical full recompute of plan.ids.
         A first skill right after the anchor it was compiled after is copied as is, with no seam: it is
         already exactly what a full prefill computes, and the anchor's own K/V is cached.
-        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence, service/compose/refine.py),
-        copied as is; composition starts after it. `reserve_tokens`: the length the cache will reach (prompt and
+        `prefix` (compose only): the exact K/V of plan.ids[:N] (a refined skill sequence,
+        service/compose/refine.py, or an automatic head, service/compose/auto.py; a prompt with no skills too),
+        copied as is; composition starts after it. The result's n_exact: where the first token copied re-rotated
+        from a block starts (the prefix, a first skill copied as is after the anchor, seams and text before it are
+        exact). `reserve_tokens`: the length the cache will reach (prompt and
         decode), so its buffers are allocated once. `defer_tail` (compose): a last text run of at most
         `tail_limit` (default DEFERRED_TAIL_TOKENS) is not run: the result's `tail` holds it and `logits` is None (the
         serving engine runs the tails of requests that compose in the same step as one forward,
@@ -94,12 +101,14 @@ class Composer:
         """
         t0 = time.perf_counter()
         cache = new_cache(self.rt.model.config, reserve_tokens=max(reserve_tokens, plan.n_tokens))
-        if mode == "full" or not any(s.kind == "skill" for s in plan.segments):
+        if mode == "full" or (prefix is None and not any(s.kind == "skill" for s in plan.segments)):
             logits = yield from self.rt.forward_steps(plan.ids, 0, cache, chunk)
             ms = (time.perf_counter() - t0) * 1e3
-            return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms})
+            return PrefillResult(cache, logits, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": ms},
+                                 n_exact=plan.n_tokens)
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
         pos = n_reused = n_prefix = 0
+        n_exact: int | None = None  # where the first re-rotated copy starts
         seams_used: dict[int, int] = {}
         t_rotate = t_text = 0.0
         segments, exact_first = plan.segments, None
@@ -137,6 +146,8 @@ class Composer:
             start, cursor = pos, 0  # start: the block's offset in the prompt
             for s, e in spans + [(block.n_tokens, block.n_tokens)]:
                 if s > cursor:  # copy block tokens [cursor, s), moved to start + i
+                    if n_exact is None and not (seg.skill_index == exact_first and not seg.recompute):
+                        n_exact = start + cursor
                     yield from flush()
                     t1 = time.perf_counter()
                     n_reused += append_block(cache, block, cursor, s, offset=start, rotator=self.rt.rotator)
@@ -153,4 +164,5 @@ class Composer:
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
-                             n_prefix, seams_used, pending if deferred else None, pos - len(pending))
+                             n_prefix, seams_used, pending if deferred else None, pos - len(pending),
+                             plan.n_tokens if n_exact is None else n_exact)

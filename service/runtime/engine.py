@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from service.errors import ContextTooLong, InvalidRequest
 from service.kv.block import KVBlock
 from service.kv.cache import append_kv, block_from_cache, cache_bytes, new_cache, truncate
+from service.kv.radix import HeadMatch
 from service.kv.rope import KeyRotator
 from service.runtime import attention
 from service.runtime.adapters import build_rotator
@@ -36,6 +37,9 @@ class PrefillResult:
     seams: dict[int, int] = field(default_factory=dict)  # skill index -> seam tokens recomputed (composed skills)
     tail: list[int] | None = None  # defer_tail: the prompt's last text, not yet in `cache`; it starts at tail_start
     tail_start: int = 0
+    n_exact: int = 0  # the cache's first n_exact tokens are exactly what a full prefill computes (automatic reuse
+    # keeps only those: service/compose/auto.py)
+    n_auto: int = 0  # of n_prefix, tokens from an automatic head (service/compose/auto.py; vLLM: its prefix cache)
 
     def tail_done(self, logits: torch.Tensor, ms: float) -> None:
         """The deferred tail ran (its K/V went wherever the caller keeps the cache now): the prompt's logits."""
@@ -207,7 +211,8 @@ class ModelRuntime:
         return run_steps(self.prefill_steps(plan, blocks, mode, seam_tokens, prefix))
 
     def prefill_steps(self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose",
-                      seam_tokens: int | list[int] = 4, prefix: KVBlock | None = None, chunk: int | None = None,
+                      seam_tokens: int | list[int] = 4, prefix: KVBlock | HeadMatch | None = None,
+                      chunk: int | None = None,
                       reserve_tokens: int = 0, defer_tail: bool = False, tail_limit: int = DEFERRED_TAIL_TOKENS
                       ) -> Steps:
         """The request's cache for `plan`, composed from `blocks` or prefilled in full, in steps (Composer.steps)."""

@@ -250,3 +250,36 @@ def test_tools_and_memories_go_to_vllm_inside_the_head(env):
     with_memory = fake.sent[-1]["transfer"]["skillcache"]["n_tokens"]
     assert with_memory > plain and out["memory"] is not None  # the memory's blocks are composed into the head
     assert out["usage"]["recomputed_tokens"] == out["usage"]["prompt_tokens"] - with_memory
+
+
+def test_vllms_prefix_cache_on_a_prompt_with_no_head_is_reported_as_auto_like_the_embedded_engines(env):
+    """No skills (or mode=full): the exact salt and no head; what vLLM's prefix cache serves is an automatic head, in
+    usage (auto_tokens, part of prefix_tokens) and in skillcache_prompt_tokens_total{kind="auto"}."""
+    c, fake, _, _ = env
+    fake.prefix_cache = True
+    system = "You are a support agent. " + TEXT_A + TEXT_B
+    first = compose(c, [], "first turn", system=system)
+    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+    assert first["usage"]["auto_tokens"] == first["usage"]["prefix_tokens"] == 0
+    auto = metrics.TOKENS.labels("auto")._value.get()
+    again = compose(c, [], "another turn", system=system)
+    u = again["usage"]
+    assert u["prefix_tokens"] == u["auto_tokens"] == u["reused_tokens"] > 0 and u["composed_tokens"] == 0
+    assert u["auto_tokens"] % FakeVllm.BLOCK == 0 and u["recomputed_tokens"] == u["prompt_tokens"] - u["auto_tokens"]
+    assert metrics.TOKENS.labels("auto")._value.get() == auto + u["auto_tokens"]
+
+
+def test_past_a_refined_head_vllms_prefix_cache_counts_as_auto_and_the_head_as_prefix(env):
+    c, fake, runner, _ = env
+    fake.prefix_cache = True
+    runner.refine_after = 1
+    compose(c, ["a", "b"], "the same turn")  # composed; then vLLM prefills the exact head
+    h = len(fake.sent[-1]["ids"])
+    assert fake.sent[-1].get("prefill")
+    refined = compose(c, ["a", "b"], "the same turn")  # exact salt, no head: vLLM's cache holds the head only
+    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+    assert refined["usage"]["prefix_tokens"] == h // FakeVllm.BLOCK * FakeVllm.BLOCK
+    assert refined["usage"]["auto_tokens"] == 0
+    again = compose(c, ["a", "b"], "the same turn")  # now the whole prompt, but its last partial block
+    u = again["usage"]
+    assert u["prefix_tokens"] > h and u["auto_tokens"] == u["prefix_tokens"] - h

@@ -25,7 +25,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     reused_tokens: int  # composed_tokens + prefix_tokens
     composed_tokens: int  # copied from precompiled blocks (re-rotated)
-    prefix_tokens: int  # an exact cached prefix (sessions, refined skill sequences)
+    prefix_tokens: int  # an exact cached prefix (sessions, refined skill sequences, automatic heads)
+    auto_tokens: int = 0  # of prefix_tokens, from an automatic head (SKILLCACHE_AUTO_REUSE)
     recomputed_tokens: int
     completion_tokens: int
 

@@ -111,10 +111,14 @@ class ServingEngine(SequenceStarts):
         return await self.submit_steps(steps, background, priority).result()
 
     def submit_sequence(self, steps: Generator[int, None, Any], params, n_prompt: int, keep_cache: bool = False,
-                        on_prefilled: Callable[[Any], None] | None = None) -> Job:
+                        on_prefilled: Callable[[Any], None] | None = None,
+                        on_joined: Callable[[Any], None] | None = None) -> Job:
         """A generating request: `steps` prefill it (returning a PrefillResult), then it decodes in the batch. The
-        job streams Delta events and one Done; keep_cache: `job.cache` holds its K/V when Done arrives."""
-        work = SequenceWork(Job(asyncio.get_running_loop()), steps, params, n_prompt, keep_cache, on_prefilled)
+        job streams Delta events and one Done; keep_cache: `job.cache` holds its K/V when Done arrives. on_joined(pre),
+        on the model thread: the prefill's cache is complete up to where the batch took it over
+        (SequenceWork.joined)."""
+        work = SequenceWork(Job(asyncio.get_running_loop()), steps, params, n_prompt, keep_cache, on_prefilled,
+                            on_joined)
         if self.bytes_per_token and 2 * work.need_tokens * self.bytes_per_token > self.config.kv_budget_bytes:
             steps.close()
             raise LimitExceeded(

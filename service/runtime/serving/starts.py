@@ -85,7 +85,9 @@ class SequenceStarts:
             tok = self._first_token(w)
             if w.out.reason is not None or w.job.cancelled():
                 if w.keep_cache:
-                    w.job.cache = pre.cache
+                    w.job.cache = pre.cache  # the session's now: it appends to it
+                else:
+                    w.joined()
                 w.finish("cancelled")
                 return
             self._join(w)
@@ -105,6 +107,7 @@ class SequenceStarts:
         coming = [x for x in self.sched.active if x.is_sequence] + list(joining)  # room for them too
         w.row = self.batch.join(w.prefill.cache, max([w.need_tokens] + [x.need_tokens for x in coming]),
                                 len(self.sched.running) + 1 + len(coming))
+        w.joined()  # copied: nothing writes to the prefill's buffers again
         w.prefill.cache = None  # the batch holds its K/V now
         self.sched.running.append(w)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 _END = object()
+log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -131,10 +133,12 @@ class SequenceWork(StepsWork):
     is_sequence = True
 
     def __init__(self, job: Job, steps: Generator[int, None, Any], params, n_prompt: int, keep_cache: bool = False,
-                 on_prefilled: Callable[[Any], None] | None = None) -> None:
+                 on_prefilled: Callable[[Any], None] | None = None,
+                 on_joined: Callable[[Any], None] | None = None) -> None:
         super().__init__(job, steps)
         self.params, self.n_prompt, self.keep_cache = params, n_prompt, keep_cache
         self.on_prefilled = on_prefilled
+        self.on_joined = on_joined  # the prefill's cache is complete and nothing writes to it again
         self.prefill = None  # PrefillResult once its steps are done
         self.out = None  # TokenStream
         self.row: int | None = None
@@ -158,6 +162,16 @@ class SequenceWork(StepsWork):
         """The prefill is complete (its logits exist): tell the request, before its first token is sampled."""
         if self.on_prefilled is not None:
             self.on_prefilled(self.prefill)
+
+    def joined(self) -> None:
+        """The prefill cache is about to be let go (the batch copied it, or the request ends at its first token): its
+        K/V stay as they are from now on, so the hook may keep views of them (automatic reuse). A failing hook is
+        logged, never the request's error."""
+        if self.on_joined is not None and self.prefill is not None and self.prefill.cache is not None:
+            try:
+                self.on_joined(self.prefill)
+            except Exception:  # noqa: BLE001
+                log.exception("on_joined hook failed")
 
     def emit_all(self, events: list) -> None:
         for ev in events:
