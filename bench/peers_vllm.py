@@ -42,11 +42,15 @@ ENGINES = ("vllm", "skillcache-vllm", "embedded")
 WARM_SKILL = "shipping-faq"
 
 
-async def vllm_one(client: httpx.AsyncClient, ids: list[int], n: int, t_sched: float) -> dict:
-    """One streamed completion of `ids` on vLLM alone, in the record shape of peers_work.send."""
+async def vllm_one(client: httpx.AsyncClient, ids: list[int], n: int, t_sched: float, salt: str | None = None
+                   ) -> dict:
+    """One streamed completion of `ids` on vLLM alone, in the record shape of peers_work.send; `salt`: vLLM's
+    cache_salt (its prefix cache is shared only between requests with the same one)."""
     rec: dict = {"error": None, "ttft_s": None, "e2e_s": None, "text": "", "status": None}
     body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if salt is not None:
+        body["cache_salt"] = salt
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             rec["status"] = r.status_code
