@@ -86,11 +86,19 @@ def main(argv=None) -> None:
     out["agreement"] = {a: {"n": n, "first_token": sum(c[a]["first"] == c["reference"]["first"] for c in kept),
                             "greedy_identical": sum(c[a]["text"] == c["reference"]["text"] for c in kept)}
                         for a in ARMS}
+    # the erratum composed against the same erratum prompt computed in full: what composition alone changes
+    out["erratum_vs_erratum_full"] = {"n": n, "first_token": sum(c["erratum"]["first"] == c["erratum-full"]["first"]
+                                                                 for c in kept),
+                                      "greedy_identical": sum(c["erratum"]["text"] == c["erratum-full"]["text"]
+                                                              for c in kept)}
     out["elapsed_s"] = time.perf_counter() - t0
     write_json(args.json, out)
     for a, g in out["agreement"].items():
         print(f"{args.model}: {a:18s} first-token top-1 agreement with the full recompute {g['first_token']}/{n}, "
               f"greedy-{args.tokens} identical {g['greedy_identical']}/{n}")
+    e = out["erratum_vs_erratum_full"]
+    print(f"{args.model}: erratum composed against the erratum prompt in full: first token {e['first_token']}/{n}, "
+          f"greedy-{args.tokens} identical {e['greedy_identical']}/{n}")
     if out["fallbacks"]:
         print(f"{out['fallbacks']} cases left out: their value changed the token layout (the reference fell back)")
 
