@@ -118,7 +118,10 @@ def test_skillcache_side_of_the_first_time_arm_against_the_real_service(tmp_path
     proc = subprocess.run(
         [sys.executable, "bench/peers.py", "--engines", "skillcache", "--quick", "--arms", "a", "--threads", "1",
          "--json", str(out), "--png", str(png), "--deadline-s", "180", "--settle-s", "60",
-         "--server-env", "SKILLCACHE_SEAM_AUTO=false", "SKILLCACHE_SHADOW_SAMPLE_RATE=0"],
+         # automatic heads off: arm a measures composition (two orders share refund-policy's exact head, which an
+         # automatic head would serve; bench/auto.py measures that)
+         "--server-env", "SKILLCACHE_SEAM_AUTO=false", "SKILLCACHE_SHADOW_SAMPLE_RATE=0",
+         "SKILLCACHE_AUTO_REUSE=false"],
         cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
