@@ -102,6 +102,14 @@ class Settings(BaseSettings):
     auto_cache_bytes: int = Field(1024**3, ge=0, description="budget of the kept heads (process memory, apart from "
                                   "memory_cache_bytes and kv_budget_bytes), least recently used first out; 0: off")
     auto_min_tokens: int = Field(64, ge=1, description="shortest head kept or served")
+    auto_sections: Literal["headings", "paragraphs", "off"] = Field(
+        "headings", description="with auto_reuse: cut system prompts into sections (service/compose/sections.py), "
+        "each compiled in the background on first sight and composed at any position afterwards; headings: at "
+        "the top-level headings (blank lines when there are none), paragraphs: at every blank line, off: never")
+    auto_section_min_tokens: int = Field(128, ge=1, description="smallest section made a block (smaller parts "
+                                         "stay text)")
+    auto_blocks_after: int = Field(1, ge=1, description="sightings of a section before it is compiled (1: on "
+                                   "first sight)")
 
     # edits: one line per changed field, appended after the skill blocks ({field}, {value})
     erratum_template: str = (

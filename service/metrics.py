@@ -71,6 +71,10 @@ AUTO_LOOKUPS = Counter("skillcache_auto_head_lookups_total", "Automatic head loo
 AUTO_BYTES = Gauge("skillcache_auto_cache_bytes", "Bytes the automatic heads hold (within SKILLCACHE_AUTO_CACHE_BYTES)")
 AUTO_EVICTIONS = Counter("skillcache_auto_cache_evictions_total", "Automatic head spans dropped, least recently used "
                          "first, to stay within SKILLCACHE_AUTO_CACHE_BYTES")
+AUTO_BLOCKS = Counter("skillcache_auto_blocks_total", "System-prompt sections (SKILLCACHE_AUTO_SECTIONS), by "
+                      "outcome: composed (its block served), text (not held yet), scheduled (a background compile "
+                      "queued), compiled, dropped (the background backlog was full), demoted (its block failed a "
+                      "shadow check: computed as text)", ["outcome"])
 DEGRADED_SKILLS = Gauge("skillcache_degraded_skills", "Skills served by full prefill after a failed shadow check")
 
 # sessions

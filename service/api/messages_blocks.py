@@ -186,7 +186,8 @@ def stop(final: Final, stops: list[str], tokenizer) -> tuple[str, str | None]:
 def usage(final: Final, block_tokens: list[int]) -> dict:
     """Anthropic's usage; input_tokens + cache_creation_input_tokens + cache_read_input_tokens = the prompt.
 
-    cache_creation: the tokens of the blocks (skills, cache_control blocks, the tools block) this request compiled.
+    cache_creation: the tokens of the blocks (skills, cache_control blocks, the tools block) this request compiled,
+    or queued for compiling in the background (automatic blocks: service/compose/autoblocks.py).
     cache_read: the tokens copied from cache (composed blocks and an exact prefix), less those copied from a block
     compiled by this very request (counted as creation). input: the rest, computed fresh (the messages, the
     system text, the seams recomputed at the blocks' joins). `block_tokens`: per skill or block, its tokens."""
@@ -199,6 +200,7 @@ def usage(final: Final, block_tokens: list[int]) -> dict:
     t = final.tools
     if t is not None and t["source"] == "compiled" and t["path"] != "text":
         created += t["n_tokens"]  # its copied tokens are already counted recomputed by the pipeline
+    created += final.scheduled_tokens
     read = max(0, u["reused_tokens"] - fresh_copied)
     created = min(created, u["prompt_tokens"] - read)
     return {"input_tokens": u["prompt_tokens"] - read - created, "output_tokens": u["completion_tokens"],

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Literal
 from service import metrics
 from service.config import Settings
 from service.compose.auto import AutoHeads
-from service.compose.edits import check_fields, plan_edit
+from service.compose.autoblocks import AutoBlocks
+from service.compose.edits import SkillEdit, check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
@@ -31,6 +32,7 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
+    from service.compose.autoblocks import SystemParts
     from service.kv.block import KVBlock
     from service.memory.registry import LateMemory
     from service.runtime.prompt import PromptPlan
@@ -80,6 +82,7 @@ class Prepared:
     prefix: "KVBlock | None" = None  # an exact prefix of the plan (refined skill sequence), or None
     tools: ToolsPrep | None = None
     errata: list[str] = field(default_factory=list)  # the erratum lines after the skills (their field edits)
+    scheduled_tokens: int = 0  # tokens of system-prompt sections this request queued for compiling (cache writes)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Final:
     edits: list[dict]
     tools: dict | None = None  # the tools block: format, n_tokens, source, path, seam
     memory: dict | None = None  # the late blocks' report (LateMemory.report), when the request had them
+    scheduled_tokens: int = 0  # tokens of automatic blocks this request queued for compiling (Prepared)
 
 
 class ComposePipeline:
@@ -108,6 +112,7 @@ class ComposePipeline:
                                      self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
         self.auto = AutoHeads(settings, runtime.fingerprint)  # automatic exact heads (embedded engine)
+        self.sections = AutoBlocks(settings, runtime, registry, store, self.guard)  # system-prompt sections
         self.runner = EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard, self.auto)  # AppState may
         # swap it
 
@@ -166,20 +171,24 @@ class ComposePipeline:
         t0 = time.perf_counter()
         self.check_request(p.skills + p.blocks, p.gen.max_tokens)
         records = [await self.registry.get(p.namespace, s.name, s.version) for s in p.skills]
-        records += [TextBlock.of(p.namespace, text) for text in p.blocks]
-        if len({r.name for r in records}) != len(records):
+        marked = [TextBlock.of(p.namespace, text) for text in p.blocks]
+        if len({r.name for r in records + marked}) != len(records) + len(marked):
             raise InvalidRequest("a skill (or block of text) may appear only once per request")
+        auto = (not head_only and self.sections.enabled and getattr(self.runner, "composes_sections", False))
+        records += [] if auto else marked  # automatic blocks: the marked ones are composed when held, as sections
         check_fields(records, p.fields)
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources, keys, seams = await self.skill_blocks(p.namespace, records, [e.text for e in edits],
                                                                p.seam_tokens)
+        parts = await self._sections(p, records, blocks, sources, keys, seams, edits) if auto else None
         store_s = time.perf_counter() - t0
         skill_ids = [e.ids or b.token_ids for e, b in zip(edits, blocks)]
         errata = [line for e in edits for line in e.errata]
         tb = self.tool_prompt.block(p.tools) if p.tools is not None and p.tools.tools else None
         if tb is not None:
             check_block_size(tb, self.settings.max_skill_tokens)
-        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, not head_only, late=p.late)
+        plan, t_index = self.tool_prompt.build(p.messages, skill_ids, errata, tb, not head_only, late=p.late,
+                                               system_parts=parts.parts if parts is not None else None)
         for seg in plan.segments:
             # the tools and late blocks are never edited
             if seg.kind == "skill" and seg.skill_index is not None and seg.skill_index < len(edits):
@@ -200,7 +209,24 @@ class ComposePipeline:
         report = [{"skill": r.name, **item} for r, e in zip(records, edits) for item in e.report]
         return Prepared(p, records, blocks, sources, report, plan, t0, store_ms, keys,
                         [seam if seam is not None else 0 for seam, _ in seams], [path for _, path in seams], mode,
-                        prefix, tools, errata)
+                        prefix, tools, errata, parts.scheduled_tokens if parts is not None else 0)
+
+    async def _sections(self, p: ComposeParams, records: list, blocks: list, sources: list, keys: list, seams: list,
+                        edits: list) -> "SystemParts":
+        """The marked blocks (cache_control) and the system text's sections as automatic blocks
+        (service/compose/autoblocks.py): those held join the request's blocks (the lists grow), the others are text
+        this time and compiled in the background."""
+        system = p.messages[0]["content"] if p.messages and p.messages[0]["role"] == "system" else None
+        room = self.settings.max_skills_per_request - len(records)
+        parts = await self.sections.resolve(p.namespace, p.blocks, system or "", [r.name for r in records], room,
+                                            p.mode == "compose", p.seam_tokens)
+        records += parts.records
+        blocks += parts.blocks
+        sources += ["memory"] * len(parts.blocks)
+        keys += parts.keys
+        seams += parts.seams
+        edits += [SkillEdit(text=r.text) for r in parts.records]
+        return parts
 
     async def skill_blocks(self, namespace: str, records: list[SkillRecord], texts: list[str],
                            seam_tokens: int | None) -> tuple[list, list[str], list[str], list[tuple]]:
@@ -271,5 +297,5 @@ class ComposePipeline:
         tools = prep.tools.report(pre, in_prefix, mode) if prep.tools is not None else None
         late = prep.params.late  # its blocks are the last ones
         memory = late.report(pre.seams, len(prep.blocks) - len(late.blocks)) if late is not None else None
-        return Final(done, usage, timings, skills, prep.edits, tools, memory)
+        return Final(done, usage, timings, skills, prep.edits, tools, memory, prep.scheduled_tokens)
 

@@ -6,6 +6,8 @@ Both implement the same small interface:
     async close()
     keeps_conversations: bool                                    True: sessions send each turn whole, the engine's
                                                                  prefix cache keeps the conversation (vLLM)
+    composes_sections: bool                                      True: a system prompt's sections are composed as
+                                                                 blocks (service/compose/autoblocks.py)
 embedded  service/engines/embedded.py: this process's serving engine (make run)
 vllm      service/engines/vllm.py: a vLLM server, fed composed heads through service/vllm/connector.py
 """

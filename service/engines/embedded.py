@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class EmbeddedEngine:
     keeps_conversations = False  # a session's cache is held by the session manager, in this process
+    composes_sections = True  # system-prompt sections are composed as blocks (service/compose/autoblocks.py)
 
     def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
         self.settings = settings

@@ -70,6 +70,9 @@ def head_length(plan) -> int:
 
 class VllmEngine:
     keeps_conversations = True  # sessions send the whole conversation: vLLM's prefix cache holds it (sessions/)
+    # system-prompt sections stay text: a composed head is approximate and travels under a request-only salt, so it
+    # would take a repeated system prompt away from vLLM's exact prefix cache, which serves it already
+    composes_sections = False
 
     def __init__(self, settings, runtime, serving_engine, client: VllmClient | None = None) -> None:
         self.settings = settings

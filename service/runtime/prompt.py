@@ -111,6 +111,7 @@ class PromptBuilder:
         tools: TemplateTools | None = None,
         late_ids: list[list[int]] | None = None,
         late_lines: list[str] | None = None,
+        system_parts: list[str | int] | None = None,
     ) -> PromptPlan:
         """Lay skills, then the system text, then errata lines into the system turn and render the conversation.
 
@@ -124,6 +125,8 @@ class PromptBuilder:
         Only tool calls and their results ("tool" messages, or "tool_turn" ones: service/tools/render.py) may follow it.
         plan.late_span covers them, so the turn's content and what follows render to the same ids as without them
         (a session's memory, service/memory/).
+        `system_parts`: the system text as parts (service/compose/sections.py), in place of the system message's
+        content: a str is text, tokenized alone; an int i places skill i there instead of before the system text.
         """
         pieces: list[tuple[str, object]] = []  # sentinel index -> ("content", text) | ("skill", i)
 
@@ -133,8 +136,10 @@ class PromptBuilder:
 
         msgs = [dict(m) for m in messages]
         system_text = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else None
-        sys_parts = [sentinel("skill", i) for i in range(len(skill_ids))]
-        sys_parts += [sentinel("content", system_text)] if system_text else []
+        parts: list[str | int] = ([system_text] if system_text else []) if system_parts is None else system_parts
+        placed = {v for v in parts if isinstance(v, int)}
+        sys_parts = [sentinel("skill", i) for i in range(len(skill_ids)) if i not in placed]
+        sys_parts += [sentinel("skill", v) if isinstance(v, int) else sentinel("content", v) for v in parts if v != ""]
         sys_parts += [sentinel("content", line) for line in errata or []]
         # a message may carry "ids": its content's exact token ids (a session's generated replies),
         # so the transcript re-renders to the very tokens already cached

@@ -124,13 +124,16 @@ class ToolPrompt:
         return out
 
     def build(self, messages: list[dict], skill_ids: list[list[int]], errata: list[str] | None,
-              block: ToolsBlock | None, add_generation_prompt: bool = True, late=None) -> tuple[PromptPlan, int | None]:
+              block: ToolsBlock | None, add_generation_prompt: bool = True, late=None,
+              system_parts: list[str | int] | None = None) -> tuple[PromptPlan, int | None]:
         """The prompt plan, and the index of the tools block among its blocks (None: no block in the prompt).
 
         `late`: blocks floated before the last user turn (a memory: .ids, .lines), indexed after the tools block."""
         native = block.native if block is not None else self.native_fmt is not None
         msgs = self.messages(messages, native)
-        more = {"late_ids": late.ids, "late_lines": late.lines} if late is not None else {}
+        more: dict = {"late_ids": late.ids, "late_lines": late.lines} if late is not None else {}
+        if system_parts is not None:
+            more["system_parts"] = system_parts
         if block is None:
             return self.prompts.build(msgs, skill_ids, errata, add_generation_prompt, **more), None
         index = len(skill_ids)

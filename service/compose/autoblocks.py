@@ -1,0 +1,122 @@
+"""AutoBlocks: a system prompt's sections as content-addressed blocks, with nothing registered (issue 41).
+
+A request's system text is cut into parts (service/compose/sections.py). A section whose block this tenant's
+memory tier holds is composed like a skill, wherever it now stands: after another preamble, in another order. One
+not held yet is computed as text this time, and its block is compiled in the background share (not on the
+request's clock), on its SKILLCACHE_AUTO_BLOCKS_AFTER-th sighting, kept in the memory tier only (no record owns it,
+so it lives least recently used first out, as a tools block does) and calibrated like a skill's. The guard applies
+as to skills: a section whose block failed a shadow check is computed as text (demoted), not the whole request in
+full. The refiner sees sections as blocks, so a repeated arrangement is refined into an exact head.
+
+A section's key is its text's block key under the request's namespace: one tenant's sections never serve another.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from service import metrics
+from service.compose.sections import Part, split_parts
+from service.registry.skill import TextBlock
+
+if TYPE_CHECKING:
+    from service.compose.guard import FidelityGuard
+    from service.registry.registry import SkillRegistry
+    from service.store.key import BlockKey
+    from service.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+_SEEN_MAX = 4096  # sections whose sightings are remembered (LRU)
+
+
+@dataclass
+class SystemParts:
+    """The system text as the prompt builder lays it out, and the blocks it composes (indexed after `first`)."""
+
+    parts: list[str | int] = field(default_factory=list)  # text, or the index of a block among the request's
+    records: list[TextBlock] = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    seams: list[tuple] = field(default_factory=list)
+    scheduled_tokens: int = 0  # tokens of the sections this request queued for compiling
+
+
+class AutoBlocks:
+    def __init__(self, settings, runtime, registry: "SkillRegistry", store: "TieredStore",
+                 guard: "FidelityGuard") -> None:
+        self.s, self.rt, self.registry, self.store, self.guard = settings, runtime, registry, store, guard
+        has_memory = any(t.name == "memory" for t in store.tiers)  # the only tier sections live in
+        self.enabled = bool(settings.auto_reuse) and settings.auto_sections != "off" and has_memory
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._pending: set[str] = set()
+
+    async def resolve(self, namespace: str, marked: list[str], text: str, taken: list[str], room: int,
+                      compose: bool, seam_tokens: int | None) -> SystemParts:
+        """`marked`: blocks the client marked (cache_control), before the system text; `taken`: the names of the
+        blocks the request has before these (a part that is one of them stays text); `room`: how many more it may
+        compose; compose False (mode=full): the same parts, all text, nothing looked up or queued. A system text
+        that is one part (no cut point) stays text: it only recurs where it stands, and the automatic head serves
+        it there."""
+        first, out, names = len(taken), SystemParts(), set(taken)
+        encode = self.rt.prompts.encode_content
+        split = split_parts(text, self.s.auto_sections, encode, self.s.auto_section_min_tokens,
+                            self.s.max_skill_tokens) if text else []
+        items = [(Part(t, ids := encode(t), 0 < len(ids) <= self.s.max_skill_tokens), True) for t in marked]
+        items += [(part, len(split) > 1) for part in split]
+        for part, movable in items:
+            name = TextBlock.of(namespace, part.text).name
+            if not (part.section and movable and compose) or name in names:
+                out.parts.append(part.text)
+                continue
+            names.add(name)
+            key = self.registry.block_key(namespace, part.text)
+            block, _ = await self.store.get(key, ephemeral=True)
+            if block is not None and block.token_ids == part.ids and len(out.blocks) < room:
+                seam, path = self.guard.seam_for(str(key), block, seam_tokens)
+                if path == "compose":
+                    metrics.AUTO_BLOCKS.labels("composed").inc()
+                    out.parts.append(first + len(out.blocks))
+                    out.records.append(TextBlock.of(namespace, part.text))
+                    out.blocks.append(block)
+                    out.keys.append(str(key))
+                    out.seams.append((seam, path))
+                    continue
+                metrics.AUTO_BLOCKS.labels("demoted").inc()
+            elif block is None:
+                metrics.AUTO_BLOCKS.labels("text").inc()
+                out.scheduled_tokens += len(part.ids) if self._schedule(key, part.ids) else 0
+            out.parts.append(part.text)
+        return out
+
+    def _schedule(self, key: "BlockKey", ids: list[int]) -> bool:
+        """Count a sighting; queue the compile once it has been seen often enough (True: queued now)."""
+        k = str(key)
+        seen = self._seen.pop(k, 0) + 1
+        self._seen[k] = seen
+        while len(self._seen) > _SEEN_MAX:
+            self._seen.popitem(last=False)
+        if seen < self.s.auto_blocks_after or k in self._pending:
+            return False
+        self._pending.add(k)
+        if not self.guard.spawn(self._compile(key, ids)):
+            self._pending.discard(k)
+            metrics.AUTO_BLOCKS.labels("dropped").inc()
+            return False
+        metrics.AUTO_BLOCKS.labels("scheduled").inc()
+        return True
+
+    async def _compile(self, key: "BlockKey", ids: list[int]) -> None:
+        try:
+            steps = self.rt.compile_block_steps(ids, chunk=self.s.background_chunk_tokens)
+            block = await self.guard.run_background(steps, priority=-float(len(ids)))
+            if block is None:  # the engine's background backlog was full: a later sighting queues it again
+                metrics.AUTO_BLOCKS.labels("dropped").inc()
+                return
+            await self.store.put(key, block, ephemeral=True)
+            metrics.AUTO_BLOCKS.labels("compiled").inc()
+            self.guard.schedule_calibration(key, block, ephemeral=True)
+        finally:
+            self._pending.discard(str(key))
