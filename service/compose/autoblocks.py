@@ -4,7 +4,8 @@ A request's system text is cut into parts (service/compose/sections.py). A secti
 memory tier holds is composed like a skill, wherever it now stands: after another preamble, in another order. One
 not held yet is computed as text this time, and its block is compiled in the background share (not on the
 request's clock), on its SKILLCACHE_AUTO_BLOCKS_AFTER-th sighting, kept in the memory tier only (no record owns it,
-so it lives least recently used first out, as a tools block does) and calibrated like a skill's. The guard applies
+so it lives least recently used first out, as a tools block does) and calibrated like a skill's once it is first
+composed. The guard applies
 as to skills: a section whose block failed a shadow check is computed as text (demoted), not the whole request in
 full. The refiner sees sections as blocks, so a repeated arrangement is refined into an exact head.
 
@@ -78,6 +79,8 @@ class AutoBlocks:
                 seam, path = self.guard.seam_for(str(key), block, seam_tokens)
                 if path == "compose":
                     metrics.AUTO_BLOCKS.labels("composed").inc()
+                    # calibrated once it is used, not when compiled: a section never seen again costs no calibration
+                    self.guard.schedule_calibration(key, block, ephemeral=True)
                     out.parts.append(first + len(out.blocks))
                     out.records.append(TextBlock.of(namespace, part.text))
                     out.blocks.append(block)
@@ -117,6 +120,5 @@ class AutoBlocks:
                 return
             await self.store.put(key, block, ephemeral=True)
             metrics.AUTO_BLOCKS.labels("compiled").inc()
-            self.guard.schedule_calibration(key, block, ephemeral=True)
         finally:
             self._pending.discard(str(key))

@@ -178,3 +178,16 @@ def test_cache_control_blocks_compile_in_the_background_and_count_as_cache_write
         second = messages(c, [B, A])  # A now after another block: composed from its block
         assert second["cache_creation_input_tokens"] == n_tokens(B)
         assert second["cache_read_input_tokens"] > 0.8 * n_tokens(A)
+
+
+def test_a_section_is_calibrated_once_composed_not_when_compiled(tmp_path):
+    calibrated = lambda: sum(metric("skillcache_calibrations_total", result=r)  # noqa: E731
+                             for r in ("passed", "whole_block"))
+    with client(tmp_path, seam_auto=True, seam_candidates=[0, 2]) as c:
+        before = calibrated()
+        compose(c, JOINER.join([A, B]))
+        drain(c)
+        assert calibrated() == before  # compiled, never used yet: nothing calibrated
+        compose(c, JOINER.join([B, A]))
+        drain(c)
+        assert calibrated() == before + 2
