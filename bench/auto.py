@@ -27,8 +27,9 @@ stands afterwards. The service with automatic reuse off has no sections.
             serve the next composed turn exactly; each arrangement opens with another section or preamble, so no
             arrangement's head serves another's). registered: on the service with automatic reuse off, each
             section registered as a skill (moved-0, moved-1, ...) and named in /v1/compose `skills` in the same
-            orders, the preamble as `system` (registered skills always lead the system turn, so the preamble
-            follows them there, where the auto side has it before them), the same turns, composed and in full.
+            orders; a preamble registered too (registered skills lead the system turn, before any system text)
+            and named first, so it opens the system turn as on the auto side (there it is text, exact as the first
+            block is); the same turns, composed and in full.
             Reported per side: the cases whose first generated token (greedy, max_tokens=1: the response text) is
             the one mode=full gives, over all cases; the composed share (usage.composed_tokens / the sections'
             tokens) min and mean; first-token p50 of the composed requests.
@@ -190,7 +191,11 @@ def moved_arm(on: httpx.Client, off: httpx.Client, sections: list[str], turns: i
     for a, (label, order, preamble) in enumerate(plan):
         us = [TURNS[1 + (a + j) % (len(TURNS) - 1)].format(i=f"moved {a}-{j}") for j in range(turns)]
         auto_system = "\n\n".join(([preamble] if preamble else []) + [sections[i] for i in order])
-        reg = {"skills": [names[i] for i in order], **({"system": preamble} if preamble else {})}
+        lead = []
+        if preamble:  # registered too, and named first: it opens the system turn as on the auto side
+            lead = [f"moved-preamble-{a}"]
+            register(off, {"name": lead[0], "text": preamble})
+        reg = {"skills": lead + [names[i] for i in order]}
         for side, c, body in (("auto", on, {"system": auto_system}), ("registered", off, reg)):
             rows[side] += [{"arrangement": label, **r} for r in arranged(c, body, us)]
     out = {"section_tokens": counts, "held_before": held, "arrangements": [p[0] for p in plan]}

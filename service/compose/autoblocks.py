@@ -2,12 +2,13 @@
 
 A request's system text is cut into parts (service/compose/sections.py). A section whose block this tenant's
 memory tier holds is composed like a skill, wherever it now stands: after another preamble, in another order. One
-not held yet is computed as text this time, and its block is compiled in the background share (not on the
-request's clock), on its SKILLCACHE_AUTO_BLOCKS_AFTER-th sighting, kept in the memory tier only (no record owns it,
-so it lives least recently used first out, as a tools block does) and calibrated like a skill's once it is first
-composed. The guard applies
-as to skills: a section whose block failed a shadow check is computed as text (demoted), not the whole request in
-full. The refiner sees sections as blocks, so a repeated arrangement is refined into an exact head.
+not held yet is computed as text this time, and its block is compiled as background work (not on the request's
+clock), on its SKILLCACHE_AUTO_BLOCKS_AFTER-th sighting: while it has been seen once, only when the engine is idle
+(a guess takes nothing from live requests); from its second sighting, in the background share. It is kept in the
+memory tier only (no record owns it, so it lives least recently used first out, as a tools block does) and
+calibrated like a skill's once it is first composed. The guard applies as to skills: a section whose block failed a
+shadow check is computed as text (demoted), not the whole request in full. The refiner sees sections as blocks, so
+a repeated arrangement is refined into an exact head.
 
 A section's key is its text's block key under the request's namespace: one tenant's sections never serve another.
 """
@@ -114,7 +115,9 @@ class AutoBlocks:
     async def _compile(self, key: "BlockKey", ids: list[int]) -> None:
         try:
             steps = self.rt.compile_block_steps(ids, chunk=self.s.background_chunk_tokens)
-            block = await self.guard.run_background(steps, priority=-float(len(ids)))
+            # seen once, the compile is a guess: it runs only while the engine is idle; seen again, in the share
+            block = await self.guard.run_background(steps, priority=-float(len(ids)),
+                                                    idle_only=lambda: self._seen.get(str(key), 0) < 2)
             if block is None:  # the engine's background backlog was full: a later sighting queues it again
                 metrics.AUTO_BLOCKS.labels("dropped").inc()
                 return

@@ -440,6 +440,28 @@ async def test_requests_on_the_same_prefix_share_its_reads_and_get_their_solo_ou
     assert max(seen) == 2  # rows 1 and 2 read the prefix's first chunk from row 0
 
 
+def test_idle_only_work_is_passed_over_while_live_work_is_pending():
+    """A guess (a section seen once, service/compose/autoblocks.py) takes no share from live requests; once its
+    condition turns false (seen again) it runs in the share like any background work."""
+    from service.runtime.serving.scheduler import Scheduler
+    from service.runtime.serving.work import Job, StepsWork
+
+    sched = Scheduler(max_running=4, step_token_budget=64, queue_size=4, background_share=0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        guess = {"seen_once": True}
+        w = StepsWork(Job(loop), iter(()), background=True, idle_only=lambda: guess["seen_once"])
+        other = StepsWork(Job(loop), iter(()), background=True, priority=5.0)
+        assert sched.add(w) and sched.add(other)
+        assert sched.next_background(live_pending=True) is other  # the guess waits, the rest runs
+        assert sched.next_background(live_pending=True, current=w) is None  # parked mid-forward: waits too
+        assert sched.next_background(live_pending=False) is w  # idle: it runs first (lower priority)
+        guess["seen_once"] = False
+        assert sched.next_background(live_pending=True) is w
+    finally:
+        loop.close()
+
+
 def test_background_work_runs_lowest_priority_first():
     """Calibrations before refinements (by expected benefit), shadow checks last."""
     from service.runtime.serving.scheduler import Scheduler

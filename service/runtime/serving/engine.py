@@ -100,15 +100,17 @@ class ServingEngine(SequenceStarts):
         return await self.submit(fn).result()
 
     def submit_steps(self, steps: Generator[int, None, Any], background: bool = False,
-                     priority: float | Callable[[], float] = 0.0) -> Job:
+                     priority: float | Callable[[], float] = 0.0, idle_only: Callable[[], bool] | None = None) -> Job:
         """Step-generator work; background work runs in the background share, lowest `priority` first (a callable
-        is read each time background work is picked)."""
-        return self._submit(StepsWork(Job(asyncio.get_running_loop()), steps, background, priority))
+        is read each time background work is picked); while `idle_only()` is true, only when no live work is pending
+        (speculative work: it takes no share from live requests)."""
+        return self._submit(StepsWork(Job(asyncio.get_running_loop()), steps, background, priority, idle_only))
 
     async def run_steps(self, steps: Generator[int, None, Any], background: bool = False,
-                        priority: float | Callable[[], float] = 0.0) -> Any:
+                        priority: float | Callable[[], float] = 0.0, idle_only: Callable[[], bool] | None = None
+                        ) -> Any:
         """Its value; None for background work dropped because the backlog is full."""
-        return await self.submit_steps(steps, background, priority).result()
+        return await self.submit_steps(steps, background, priority, idle_only).result()
 
     def submit_sequence(self, steps: Generator[int, None, Any], params, n_prompt: int, keep_cache: bool = False,
                         on_prefilled: Callable[[Any], None] | None = None,

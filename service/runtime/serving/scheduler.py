@@ -126,19 +126,22 @@ class Scheduler:
         request waits or prefills, or one just finished and its client's next request is on the way: a first
         token is awaited) only while it is below half of that. So background steps go between decode steps, where
         they delay a running stream's next token, not a new request's first, yet keep half their share when quiet
-        steps are rare. `current`: background work whose step gave way to live work mid-forward goes on first."""
+        steps are rare. `current`: background work whose step gave way to live work mid-forward goes on first.
+        Work that waits for idle (StepsWork.idle_only) is passed over while live work is pending."""
         with self.lock:
             self.background = [w for w in self.background if not w.finished]
             if not self.background or self.background_paused:
                 return None
+            idle = lambda w: getattr(w, "waits_for_idle", lambda: False)()  # noqa: E731
             if live_pending:
                 share = self.background_share * (1.0 if quiet else 0.5)
                 if share <= 0 or self.background_s > share * (self.live_s + self.background_s):
                     return None
             if current is not None and not current.finished:
-                return current
+                return None if live_pending and idle(current) else current
             # priorities may change while work waits (a refinement whose order keeps repeating): pick afresh
-            return min(self.background, key=lambda w: (w.current_priority(), w.seq_no))
+            ready = [w for w in self.background if not (live_pending and idle(w))]
+            return min(ready, key=lambda w: (w.current_priority(), w.seq_no)) if ready else None
 
     def account(self, live_s: float, background_s: float) -> None:
         """Add a step's busy time to the decaying window."""

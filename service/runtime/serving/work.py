@@ -108,9 +108,13 @@ class Call(Work):
 
 class StepsWork(Work):
     def __init__(self, job: Job, steps: Generator[int, None, Any], background: bool = False,
-                 priority: float | Callable[[], float] = 0.0) -> None:
+                 priority: float | Callable[[], float] = 0.0, idle_only: Callable[[], bool] | None = None) -> None:
         super().__init__(job, priority)
         self.steps, self.background = steps, background
+        self.idle_only = idle_only  # background work that runs only while no live work is pending (read each pick)
+
+    def waits_for_idle(self) -> bool:
+        return self.idle_only is not None and self.idle_only()
 
     def step(self) -> int:
         try:
