@@ -283,3 +283,22 @@ def test_past_a_refined_head_vllms_prefix_cache_counts_as_auto_and_the_head_as_p
     again = compose(c, ["a", "b"], "the same turn")  # now the whole prompt, but its last partial block
     u = again["usage"]
     assert u["prefix_tokens"] > h and u["auto_tokens"] == u["prefix_tokens"] - h
+
+
+def test_sections_stay_text_on_vllm_where_its_prefix_cache_serves_the_prompt_exactly(tmp_path):
+    """With automatic reuse on, the embedded engine composes a system prompt's moved sections; on vLLM they stay
+    text: the exact salt, no head sent, so vLLM's prefix cache keeps serving the prompt exactly."""
+    from tests.compose.test_sections import section
+
+    fake = FakeVllm()
+    with make_client(tmp_path, engine="vllm", vllm_heads_dir=tmp_path / "heads", auto_reuse=True,
+                     vllm_head_pool_bytes=64 * 1024**2) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        state.pipeline.runner.client = fake
+        one, two = section("Refunds"), section("Shipping")
+        for system in (f"{one}\n\n{two}", f"{two}\n\n{one}"):
+            body = compose(c, [], system=system)
+            c.portal.call(state.pipeline.guard.drain)
+            assert body["skills"] == [] and body["usage"]["composed_tokens"] == 0
+            assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
