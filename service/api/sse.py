@@ -26,12 +26,16 @@ def frame(obj: Any) -> str:
 
 
 def sse_response(events: AsyncIterator[Any], to_json: Callable[[Any], list[dict]],
-                 on_error: Callable[[dict], dict] = lambda e: {"type": "error", "error": e}) -> StreamingResponse:
-    """Stream `events`, each mapped by `to_json` to zero or more JSON frames. An error after the
-    stream began is sent as one error frame (the status line is already out)."""
+                 on_error: Callable[[dict], dict] = lambda e: {"type": "error", "error": e},
+                 start: Callable[[], list[dict]] | None = None) -> StreamingResponse:
+    """Stream `events`, each mapped by `to_json` to zero or more JSON frames (`start`: frames sent first, before
+    the first event). An error after the stream began is sent as one error frame (the status line is already
+    out)."""
 
     async def body() -> AsyncIterator[str]:
         try:
+            for obj in start() if start is not None else []:
+                yield frame(obj)
             async for ev in events:
                 for obj in to_json(ev):
                     yield frame(obj)
@@ -39,10 +43,10 @@ def sse_response(events: AsyncIterator[Any], to_json: Callable[[Any], list[dict]
             yield frame(on_error(error_payload(e)))
         yield "data: [DONE]\n\n"
 
-    return _EventStream(body(), events)
+    return EventStream(body(), events)
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Closes its events when the response ends, however it ends. A client that hangs up cancels the response
     while the generators are paused at a `yield`; nothing else closes them then, and what they hold (a session's
     turn lock, the worker's job) would stay held until the garbage collector finalized them."""

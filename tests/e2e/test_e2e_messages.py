@@ -4,6 +4,7 @@ turn, a cache_control system block created once then read from cache (at its fir
 another block), and the x-api-key header (401 without it). One server for the module; replies are kept short."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -86,7 +87,13 @@ def test_tool_use_then_tool_result(client):
     assert answer.usage.cache_read_input_tokens >= m.usage.cache_creation_input_tokens  # the tools block, cached
 
 
-def test_cache_control_block_is_read_from_cache_again_and_after_another_block(client):
+def compiled_blocks(server: str) -> float:
+    """skillcache_auto_blocks_total{outcome="compiled"}: automatic blocks compiled in the background so far."""
+    lines = httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith('skillcache_auto_blocks_total{outcome="compiled"}'))
+
+
+def test_cache_control_block_is_read_from_cache_again_and_after_another_block(client, server):
     system = [{"type": "text", "text": POLICY, "cache_control": {"type": "ephemeral"}},
               {"type": "text", "text": "Answer in one sentence."}]
 
@@ -94,19 +101,24 @@ def test_cache_control_block_is_read_from_cache_again_and_after_another_block(cl
         return client.messages.create(model="smollm2", max_tokens=2, system=system,
                                       messages=[{"role": "user", "content": question}])
 
+    before = compiled_blocks(server)
     first = ask("Can I return an opened blender?")
-    n = first.usage.cache_creation_input_tokens
+    n = first.usage.cache_creation_input_tokens  # queued for compiling in the background (automatic reuse is on)
     assert n > 200 and first.usage.cache_read_input_tokens == 0
-    assert first.model_extra["skillcache"]["skills"][0]["source"] == "compiled"
+    assert first.model_extra["skillcache"]["skills"] == []  # computed as text this time, off the compile clock
     second = ask("How long do refunds take?")
     print("usage:", first.usage, second.usage)
-    assert second.usage.cache_creation_input_tokens == 0 and second.usage.cache_read_input_tokens >= 0.9 * n
+    assert second.usage.cache_read_input_tokens >= 0.9 * n  # the automatic head, or the block once compiled
+    for _ in range(120):  # the block compiles when the engine is idle
+        if compiled_blocks(server) > before:
+            break
+        time.sleep(0.5)
     preamble = {"type": "text", "text": "You work for Acme Kitchen, an online shop.",
                 "cache_control": {"type": "ephemeral"}}
     moved = ask("Can I return a knife?", system=[preamble, *system])
-    pre, policy = moved.model_extra["skillcache"]["skills"]
+    (policy,) = moved.model_extra["skillcache"]["skills"]  # the new preamble is text, queued in turn
     print("moved:", moved.usage, policy)
-    assert pre["source"] == "compiled" and policy["source"] in ("memory", "disk") and policy["path"] == "compose"
+    assert policy["source"] == "memory" and policy["path"] == "compose"
     assert moved.usage.cache_read_input_tokens >= 0.9 * n
     assert moved.usage.input_tokens + moved.usage.cache_creation_input_tokens + \
         moved.usage.cache_read_input_tokens > n

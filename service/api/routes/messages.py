@@ -19,7 +19,7 @@ from service.api.errors import anthropic_error, error_payload
 from service.api.params import compose_params, gen_params, tools_params
 from service.api.schemas.common import GenerationIn
 from service.api.schemas.messages import AnthropicError, MessageOut, MessagesRequest
-from service.api.sse import _EventStream
+from service.api.sse import EventStream
 from service.compose.pipeline import ComposeParams, Final
 from service.errors import ServiceError
 from service.runtime.params import Delta
@@ -78,7 +78,7 @@ async def create_message(body: MessagesRequest, pipeline: Pipeline, state: State
         reason, sequence = reply.stop(final)
         return {**head, "content": mb.content(final), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": reply.usage(final), "skillcache": mb.report(final)}
-    return _EventStream(_stream(events, head, reply), events)
+    return EventStream(_stream(events, head, reply), events)
 
 
 def _frame(obj: dict) -> str:

@@ -140,27 +140,4 @@ async def create_response(body: ResponsesRequest, pipeline: Pipeline, state: Sta
         return {**head.response(output_items(final), final), "skillcache": extra(final)}
 
     stream = _Stream(head)
-    return sse_response(_Started(events), lambda ev: stream.start() if ev is None else stream.to_json(ev),
-                        on_error=stream.error)
-
-
-class _Started:
-    """`events` after a None (the stream's start, sent before the first token); closing it closes `events`, even
-    when it never started."""
-
-    def __init__(self, events) -> None:
-        self.events, self.gen = events, self._gen()
-
-    async def _gen(self):
-        yield None
-        async for ev in self.events:
-            yield ev
-
-    def __aiter__(self):
-        return self.gen
-
-    async def aclose(self) -> None:
-        await self.gen.aclose()
-        aclose = getattr(self.events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    return sse_response(events, stream.to_json, on_error=stream.error, start=stream.start)
