@@ -67,13 +67,8 @@ class AutoHeads:
 
     def match(self, namespace: str, plan: "PromptPlan") -> "HeadMatch | None":
         """The longest head of `plan` kept for this tenant (views: copy it, never hand it out), or None."""
-        key, ids = self._key(namespace), plan.ids
-        hit = self.tree.match(key, ids, head_limit(plan), lambda m: head_clip(plan, m))
-        if hit is not None:
-            metrics.AUTO_LOOKUPS.labels("hit").inc()
-        else:
-            held = head_clip(plan, self.tree.longest(key, ids, head_limit(plan)))
-            metrics.AUTO_LOOKUPS.labels("short" if held > 0 else "miss").inc()
+        hit, held = self.tree.lookup(self._key(namespace), plan.ids, head_limit(plan), lambda m: head_clip(plan, m))
+        metrics.AUTO_LOOKUPS.labels("hit" if hit is not None else "short" if held > 0 else "miss").inc()
         return hit
 
     def keep(self, namespace: str, plan: "PromptPlan", pre: "PrefillResult", from_store: bool = False) -> int:

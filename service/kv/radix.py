@@ -121,13 +121,19 @@ class RadixHeads:
               ) -> HeadMatch | None:
         """The longest head of ids[:limit] the tree holds, cut back by `clip(m) <= m` (where a head may end), or None
         when that is shorter than min_tokens. A hit counts as a use of every node it runs through."""
+        return self.lookup(key, ids, limit, clip)[0]
+
+    def lookup(self, key: Key, ids: list[int], limit: int, clip: Callable[[int], int] | None = None
+               ) -> tuple[HeadMatch | None, int]:
+        """match(), and the tokens held after clip even when too few to serve (one walk: a miss tells short from
+        none without walking again)."""
         root = self._roots.get(key)
         if root is None:
-            return None
+            return None, 0
         path, m = self._walk(root, ids, min(limit, len(ids)))
         m = clip(m) if clip is not None else m
         if m < self.min_tokens:
-            return None
+            return None, m
         tick, spans, left = next(self._clock), [], m
         for node, c in path:
             if left <= 0:
@@ -135,7 +141,7 @@ class RadixHeads:
             take = min(c, left)
             spans.append(node.kv(take))
             node.used, left = tick, left - take
-        return HeadMatch(list(ids[:m]), spans)
+        return HeadMatch(list(ids[:m]), spans), m
 
     def insert(self, key: Key, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
         """Keep the exact K/V of ids (keys, values: L x [1, H_kv, >= len(ids), D], positions 0..): the part the tree

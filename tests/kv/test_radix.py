@@ -69,6 +69,8 @@ def test_limit_clip_and_min_tokens():
     assert tree.match(A, ids, limit=30, clip=lambda m: 20).n_tokens == 20
     assert tree.match(A, ids, limit=30, clip=lambda m: 5) is None  # shorter than min_tokens
     assert tree.match(A, ids[:5] + [1] * 10, limit=15) is None
+    assert tree.lookup(A, ids[:5] + [1] * 10, limit=15) == (None, 5)  # held, too few to serve: a short miss
+    assert tree.lookup(A, [1] * 10, limit=10) == (None, 0) and tree.lookup(B, ids, limit=9) == (None, 0)
     short = [300, 301, 302]
     assert tree.insert(A, short, *kv_of(short)) == 0 and tree.longest(A, short) == 0
 
