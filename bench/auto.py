@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import tempfile
 import time
@@ -53,6 +52,7 @@ from pathlib import Path
 
 from common import write_json  # first: puts this checkout ahead of any installed copy on sys.path
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from load import load_skill, register, render
 
 from service.devserver import ServiceProcess
@@ -62,7 +62,6 @@ TURNS = ["Can I return a blender I bought {i} days ago?", "How long does a refun
          "My parcel {i} never arrived. What now?", "Can I exchange item {i} for another colour?",
          "Is the return shipping free for order B-{i}?", "Who pays for a damaged item, case {i}?"]
 PREAMBLE = "You are the support agent of Shop {k}. Be brief."
-_COMPILED = re.compile(r'^skillcache_auto_blocks_total\{[^}]*outcome="compiled"[^}]*\}\s+(\S+)$', re.M)
 
 
 def sections_of(names: list[str]) -> list[str]:
@@ -128,7 +127,9 @@ def repeat_arm(on: httpx.Client, off: httpx.Client, system: str, n_system: int, 
 
 def compiled(c: httpx.Client) -> float:
     """skillcache_auto_blocks_total{outcome="compiled"} from /metrics: the sections compiled since the start."""
-    return sum(float(v) for v in _COMPILED.findall(c.get("/metrics").text))
+    samples = (s for f in text_string_to_metric_families(c.get("/metrics").text) for s in f.samples)
+    return sum(s.value for s in samples if s.name == "skillcache_auto_blocks_total"
+               and s.labels.get("outcome") == "compiled")
 
 
 def wait_compiled(c: httpx.Client, target: float, timeout_s: float) -> None:

@@ -69,11 +69,11 @@ class AutoBlocks:
         items = [(Part(t, ids := encode(t), 0 < len(ids) <= self.s.max_skill_tokens), True) for t in marked]
         items += [(part, len(split) > 1) for part in split]
         for part, movable in items:
-            name = TextBlock.of(namespace, part.text).name
-            if not (part.section and movable and compose) or name in names:
+            record = TextBlock.of(namespace, part.text)
+            if not (part.section and movable and compose) or record.name in names:
                 out.parts.append(part.text)
                 continue
-            names.add(name)
+            names.add(record.name)
             key = self.registry.block_key(namespace, part.text)
             block, _ = await self.store.get(key, ephemeral=True)
             if block is not None and block.token_ids == part.ids and len(out.blocks) < room:
@@ -83,7 +83,7 @@ class AutoBlocks:
                     # calibrated once it is used, not when compiled: a section never seen again costs no calibration
                     self.guard.schedule_calibration(key, block, ephemeral=True)
                     out.parts.append(first + len(out.blocks))
-                    out.records.append(TextBlock.of(namespace, part.text))
+                    out.records.append(record)
                     out.blocks.append(block)
                     out.keys.append(str(key))
                     out.seams.append((seam, path))

@@ -177,8 +177,6 @@ class FidelityGuard:
     async def run_background(self, steps, priority: float | Callable[[], float] = 0.0,
                              idle_only: Callable[[], bool] | None = None):
         """Run a step generator as background work of the engine; its value (None: the backlog was full)."""
-        if idle_only is None:
-            return await self.engine.run_steps(steps, background=True, priority=priority)
         return await self.engine.run_steps(steps, background=True, priority=priority, idle_only=idle_only)
 
     async def drain(self) -> None:

@@ -174,8 +174,9 @@ class ComposePipeline:
         marked = [TextBlock.of(p.namespace, text) for text in p.blocks]
         if len({r.name for r in records + marked}) != len(records) + len(marked):
             raise InvalidRequest("a skill (or block of text) may appear only once per request")
-        auto = (not head_only and self.sections.enabled and getattr(self.runner, "composes_sections", False))
-        records += [] if auto else marked  # automatic blocks: the marked ones are composed when held, as sections
+        auto = not head_only and self.sections.enabled and self.runner.composes_sections
+        if not auto:  # with automatic blocks, the marked ones are composed when held, as sections are
+            records += marked
         check_fields(records, p.fields)
         edits = [plan_edit(self.rt.prompts, r, p.fields, p.edit_mode, self.settings.erratum_template) for r in records]
         blocks, sources, keys, seams = await self.skill_blocks(p.namespace, records, [e.text for e in edits],

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.devserver import ROOT, ServiceNotReady, ServiceProcess
 
@@ -89,8 +90,9 @@ def test_tool_use_then_tool_result(client):
 
 def compiled_blocks(server: str) -> float:
     """skillcache_auto_blocks_total{outcome="compiled"}: automatic blocks compiled in the background so far."""
-    lines = httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
-    return sum(float(x.split()[-1]) for x in lines if x.startswith('skillcache_auto_blocks_total{outcome="compiled"}'))
+    families = text_string_to_metric_families(httpx.get(f"{server}/metrics", timeout=30).text)
+    return sum(s.value for f in families for s in f.samples
+               if s.name == "skillcache_auto_blocks_total" and s.labels.get("outcome") == "compiled")
 
 
 def test_cache_control_block_is_read_from_cache_again_and_after_another_block(client, server):

@@ -132,15 +132,14 @@ class Scheduler:
             self.background = [w for w in self.background if not w.finished]
             if not self.background or self.background_paused:
                 return None
-            idle = lambda w: getattr(w, "waits_for_idle", lambda: False)()  # noqa: E731
             if live_pending:
                 share = self.background_share * (1.0 if quiet else 0.5)
                 if share <= 0 or self.background_s > share * (self.live_s + self.background_s):
                     return None
             if current is not None and not current.finished:
-                return None if live_pending and idle(current) else current
+                return None if live_pending and current.waits_for_idle() else current
             # priorities may change while work waits (a refinement whose order keeps repeating): pick afresh
-            ready = [w for w in self.background if not (live_pending and idle(w))]
+            ready = [w for w in self.background if not (live_pending and w.waits_for_idle())]
             return min(ready, key=lambda w: (w.current_priority(), w.seq_no)) if ready else None
 
     def account(self, live_s: float, background_s: float) -> None:

@@ -80,6 +80,10 @@ class Work:
     def current_priority(self) -> float:
         return self.priority() if callable(self.priority) else self.priority
 
+    def waits_for_idle(self) -> bool:
+        """True: passed over while live work is pending (speculative background work)."""
+        return False
+
     def step(self) -> int:
         raise NotImplementedError
 
