@@ -6,7 +6,9 @@ order, a tool guide added or dropped. Each part is cut out as a block of its own
 then composed at any position like a skill: service/compose/autoblocks.py). The rule is content-defined, so a
 section is cut the same way whatever comes before or after it:
 
-- Cut points are blank lines ("\\n\\n", with text on both sides) that open a heading line of the prompt's top level:
+- Cut points are blank lines (a "\\n\\n" after some text, the last of a longer run of newlines: the rest stays with
+  the part before, so files that end in a newline and are joined by a blank line cut the same in any order) that
+  open a heading line of the prompt's top level:
   a Markdown heading (`# `..`###### `: the fewest `#` that open a paragraph) or, above any Markdown level, a line
   that opens an XML-style tag (`<document index="1">`, `<policy>`). With no such heading ("headings" mode), or in
   "paragraphs" mode, every blank line is a cut point.
@@ -25,8 +27,8 @@ import re
 from dataclasses import dataclass
 
 JOINER = "\n\n"  # service/runtime/prompt.py BLOCK_JOINER
-_HEADING = re.compile(r"(?<=[^\n])\n\n(?=(#{1,6}) |<[A-Za-z][\w.:-]*(?:\s[^<>\n]*)?>)")
-_PARAGRAPH = re.compile(r"(?<=[^\n])\n\n(?=[^\n])")
+_HEADING = re.compile(r"(?<=[\s\S])\n\n(?=(#{1,6}) |<[A-Za-z][\w.:-]*(?:\s[^<>\n]*)?>)")
+_PARAGRAPH = re.compile(r"(?<=[\s\S])\n\n(?=[^\n])")
 MODES = ("headings", "paragraphs", "off")
 
 

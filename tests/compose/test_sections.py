@@ -43,7 +43,9 @@ def test_cuts_are_at_the_top_level_headings_or_tags_else_at_blank_lines():
     assert texts("intro\n\n# A\na\n\n## A1\nx\n\n# B\nb") == ["intro", "# A\na\n\n## A1\nx", "# B\nb"]
     assert texts("## A\na\n\n### A1\nx\n\n## B\nb") == ["## A\na\n\n### A1\nx", "## B\nb"]
     assert texts("<d i=\"1\">\na\n</d>\n\n# x\ny\n\n<d>\nb\n</d>") == ["<d i=\"1\">\na\n</d>\n\n# x\ny", "<d>\nb\n</d>"]
-    assert texts("one\n\ntwo\n\n\nthree") == ["one", "two\n\n\nthree"]  # no heading: blank lines; 3+ newlines stay
+    # no heading: blank lines; a longer run of newlines cuts at its last blank line, the rest stays before
+    assert texts("one\n\ntwo\n\n\nthree") == ["one", "two\n", "three"]
+    assert texts("# A\na\n\n\n\n# B\nb\n") == ["# A\na\n\n", "# B\nb\n"]
     assert texts("# A\na\n\nmore a\n\n# B\nb", "paragraphs") == ["# A\na", "more a", "# B\nb"]
     assert cut_points("# A\n\n# B", "off") == []
     assert texts("a\n\n#hashtag is not a heading") == ["a", "#hashtag is not a heading"]  # paragraphs then
@@ -89,6 +91,18 @@ def test_sections_compile_in_the_background_then_compose_moved_or_after_another_
         full = compose(c, JOINER.join([C, A, B]), mode="full")
         assert full["usage"]["prompt_tokens"] == moved["usage"]["prompt_tokens"]
         assert full["usage"]["composed_tokens"] == 0
+
+
+def test_files_that_end_in_a_newline_compose_in_another_order(tmp_path):
+    """Files joined by a blank line, each ending in a newline (three newlines between them), are cut at each file's
+    heading, so their sections compose in any order (a cut only at a single blank line merged them in pairs)."""
+    files = [A + "\n", B + "\n", C + "\n"]
+    with client(tmp_path) as c:
+        compose(c, JOINER.join(files))
+        drain(c)
+        moved = compose(c, JOINER.join(files[::-1]))
+        assert len(moved["skills"]) == 3 and {s["path"] for s in moved["skills"]} == {"compose"}
+        assert moved["usage"]["composed_tokens"] > 0.8 * sum(map(n_tokens, files))
 
 
 def test_the_plan_ids_do_not_change_when_the_blocks_arrive(tmp_path):
