@@ -34,6 +34,11 @@ torch_index() {  # the extra index torch comes from; nothing: PyPI's default bui
 }
 
 index="$(torch_index)"  # before anything is installed: a bad TORCH_BUILD stops here
+if [ "$index" = "$CPU_INDEX" ] && ! getent hosts download.pytorch.org >/dev/null 2>&1; then
+  # the CPU index does not resolve here: pip would retry it for every package (minutes); a local wheel source or
+  # mirror (pip's find-links, as on the project's CI machines) must then carry the CPU build
+  index=""
+fi
 
 if [ "$venv" = "system" ]; then
   python="$py"
@@ -65,7 +70,7 @@ if [ -n "$index" ]; then
   echo "install.sh: torch 2.13.0 from $index (TORCH_BUILD=${TORCH_BUILD:-auto}${TORCH_INDEX_URL:+, TORCH_INDEX_URL})"
   $pip install --quiet --extra-index-url "$index" "torch==2.13.0"
 else
-  echo "install.sh: torch 2.13.0 from PyPI (TORCH_BUILD=${TORCH_BUILD:-auto})"
+  echo "install.sh: torch 2.13.0 from PyPI or a local wheel source (TORCH_BUILD=${TORCH_BUILD:-auto})"
   $pip install --quiet "torch==2.13.0"
 fi
 if [ "$deps_only" = 1 ]; then

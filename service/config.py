@@ -52,14 +52,16 @@ class Settings(BaseSettings):
         "'vLLM engine'). Composition still runs here, on the same weights")
     vllm_url: str = Field("http://127.0.0.1:8100", description="the vLLM server's base URL (engine=vllm)")
     vllm_model: str | None = Field(None, description="the model name vLLM serves; unset: the first of its /v1/models")
-    vllm_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="the dtype vLLM runs in (its --dtype; make run-vllm passes this): heads are published "
-        "in it. float32 by default: vLLM's CPU default, bfloat16, ran a 2.3k-token prefill 4-5x slower than float32 "
-        "on an AVX2-only CPU (docs/BENCHMARKS.md, 'vLLM engine')")
-    vllm_heads_dir: Path = Field(Path("/dev/shm/skillcache-heads"), description="where composed heads are published "
-                                 "for the connector: a tmpfs both processes see (the connector's heads_dir)")
-    vllm_head_pool_bytes: int = Field(1024**3, ge=64 * 1024**2, description="the head pool's size, allocated once "
-                                      "(a 2.4k-token head of the embedded model in float32 is ~110 MB)")
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype vLLM runs in (its --dtype; make run-vllm passes this). auto: the one vLLM runs "
+        "fastest here: bfloat16 on a GPU or a CPU with AVX-512 BF16 or AMX, float32 on other CPUs (bfloat16 there ran "
+        "a 2.3k-token prefill 4-5x slower: docs/BENCHMARKS.md, 'vLLM engine'); the choice is logged at start")
+    vllm_spans_dir: Path = Field(Path("/dev/shm/skillcache-spans"), description="where vLLM's connector keeps the K/V "
+                                 "it saved (blocks in their canonical context, composition steps): a directory every "
+                                 "vLLM rank on the host sees, a tmpfs by default (the connector's spans_dir)")
+    vllm_refine_after: int = Field(8, ge=0, description="engine vllm: a skill order composed this many times is "
+                                   "prefilled exactly by vLLM, at background priority, and served from vLLM's own "
+                                   "prefix cache from then on; 0: never")
     vllm_timeout_s: float = Field(300.0, gt=0, description="a whole vLLM request, connect to last token")
 
     # store

@@ -83,7 +83,7 @@ class AppState:
             if self.settings.engine == "vllm":
                 from service.engines.vllm import VllmEngine
 
-                self.pipeline.use_engine(VllmEngine(self.settings, rt, self.engine))
+                self.pipeline.use_engine(VllmEngine(self.settings, rt))
             self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine)
             self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()

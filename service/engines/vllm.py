@@ -1,24 +1,22 @@
-"""VllmEngine: a prepared request runs on a vLLM server; skillcache composes its head and relays the stream.
+"""VllmEngine: a prepared request runs on a vLLM server; vLLM computes every token, its connector moves K/V.
 
-compose, an order not yet refined: the head (every prompt token up to the last block's end: the anchor, the blocks
-re-rotated, their seams and the text between them recomputed here on the same weights) is published to the head
-pool (service/vllm/heads.py) once per distinct composition and named in the request; vLLM's connector loads it and
-vLLM computes only the text after it. The salt `approx:<namespace>:<digest of the composition>` keeps those
-approximate K/V in vLLM's prefix cache for the same composition only: a repeat of it hits there (and reloads at
-most the head's last partial block from the pool), and no exact request, no other tenant and no other composition
-ever reads them.
-Refinement: once a composition has been served SKILLCACHE_REFINE_AFTER times, vLLM prefills its head exactly in the
-background (one request of the head's ids under `exact:<namespace>`, one token generated); when that is done the
-order goes out under the exact salt with no head, and vLLM's own prefix cache serves the exact head (no second copy
-of it here). mode=full: the exact salt, no head. Automatic reuse is vLLM's own prefix cache under the exact salt: what
-it serves past a refined head (or of a prompt with no head) is reported as `auto_tokens`, as on the embedded engine.
+compose: the head (every prompt token up to the last block's copied end) is planned here (service/vllm/chain.py) and
+built inside vLLM: each block is compiled once by vLLM (a request of the block in its canonical context whose K/V
+the connector saves: service/vllm/connector.py), the tokens computed between copies (seams, edited spans, the text
+between blocks) are a short chain of vLLM steps whose K/V are saved too, and the final request loads the whole head
+(copies re-rotated to their offsets by the connector) and vLLM computes the text after it. No K/V passes through
+this process. The salt `approx:<namespace>:<digest of the composition>` keeps composed K/V in vLLM's prefix cache for
+the same composition only: a repeat hits there, and no exact request, no other tenant and no other composition ever
+reads them.
+Refinement: once a composition has been served SKILLCACHE_VLLM_REFINE_AFTER times, vLLM prefills its head exactly
+at background priority (one request under `exact:<namespace>`); from then on the order goes out under the exact salt
+with no transfer, and vLLM's own prefix cache serves the exact head. mode=full: the exact salt, nothing loaded.
+Automatic reuse is vLLM's own prefix cache under the exact salt, reported as `auto_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -28,14 +26,16 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
+from service.vllm.chain import Chain, block_name, chain_digest, head_ops
 from service.vllm.client import Usage, VllmClient
-from service.vllm.heads import HeadWriter, Layout
+from service.vllm.transfer import Save, Transfer
 
 if TYPE_CHECKING:
     from service.compose.pipeline import Final, Prepared
 
 log = logging.getLogger(__name__)
-HEAD_TAIL = 1 << 30  # prefill_steps(tail_limit=): the whole text after the last block is vLLM's
+LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the server runs --scheduling-policy priority)
+KNOWN = 4096  # compositions and saved blocks remembered (LRU)
 
 
 def exact_salt(namespace: str) -> str:
@@ -46,26 +46,11 @@ def approx_salt(namespace: str, digest: str) -> str:
     return f"approx:{namespace}:{digest}"
 
 
-def head_digest(fingerprint: str, namespace: str, plan, head_n: int, seams: list[int]) -> str:
-    """What fixes a composed head's K/V: the model, the ids, which spans are blocks, their seams and edited spans."""
-    segs, pos = [], 0
-    for s in plan.segments:  # the head's own segments (the text after it, the user turn, is not part of it)
-        if pos >= head_n:
-            break
-        segs.append((s.kind, min(len(s.ids), head_n - pos), sorted(map(list, getattr(s, "recompute", []) or []))))
-        pos += len(s.ids)
-    raw = json.dumps([fingerprint, namespace, plan.ids[:head_n], segs, seams]).encode()
-    return hashlib.sha256(raw).hexdigest()[:32]
-
-
-def head_length(plan) -> int:
-    """Tokens up to the end of the last skill block (the text after it is computed by vLLM)."""
-    pos = end = 0
-    for seg in plan.segments:
-        pos += len(seg.ids)
-        if seg.kind == "skill":
-            end = pos
-    return end
+def _touch(lru: OrderedDict, key: str, value=None) -> None:
+    lru.pop(key, None)
+    lru[key] = value
+    while len(lru) > KNOWN:
+        lru.popitem(last=False)
 
 
 class VllmEngine:
@@ -74,46 +59,81 @@ class VllmEngine:
     # would take a repeated system prompt away from vLLM's exact prefix cache, which serves it already
     composes_sections = False
 
-    def __init__(self, settings, runtime, serving_engine, client: VllmClient | None = None) -> None:
+    def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None) -> None:
         self.settings = settings
-        self.rt = runtime
-        self.serving = serving_engine  # the model thread: heads are composed there
+        self.rt = runtime  # its tokenizer's anchor and fingerprint; vLLM runs the model
         self.client = client or VllmClient(settings.vllm_url, settings.vllm_model, settings.vllm_timeout_s)
-        self.layout = self._layout()
-        self.pool = HeadWriter(settings.vllm_heads_dir, settings.vllm_head_pool_bytes, runtime.fingerprint, self.layout)
-        self.refine_after = settings.refine_after
-        self._seen: OrderedDict[str, int] = OrderedDict()  # head digest -> compositions served (LRU, bounded)
-        self._seams: dict[str, dict[int, int]] = {}  # head digest -> the seams its composition recomputed
+        self.refine_after = settings.vllm_refine_after
+        self._seen: OrderedDict[str, int] = OrderedDict()  # composition digest -> times served
+        self._chains: OrderedDict[str, None] = OrderedDict()  # compositions whose steps vLLM has run and saved
+        self._blocks: OrderedDict[str, None] = OrderedDict()  # block records vLLM has saved
+        self._compiling: dict[str, asyncio.Future] = {}
         self._exact: OrderedDict[str, None] = OrderedDict()  # digests whose exact head vLLM has prefilled
         self._refining: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
-    def _layout(self) -> Layout:
-        c = self.rt.config
-        dtype = self.settings.vllm_dtype  # vLLM's cache dtype: the head is cast to it once, here
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return Layout(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                      head_dim, dtype)
+    # ---- blocks and chains -----------------------------------------------------------------
+    async def _compile(self, name: str, ids: list[int], base: int, namespace: str) -> None:
+        """vLLM prefills the block in its canonical context (the anchor's first `base` tokens, then the block) and
+        the connector saves it; once per record (single flight)."""
+        if name in self._blocks:
+            return
+        fut = self._compiling.get(name)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._compiling[name] = fut
+            try:
+                t0 = time.perf_counter()
+                prompt = list(self.rt.anchor[:base]) + list(ids)
+                await self.client.prefill(prompt, f"compile:{namespace}", Transfer(save=Save(name, 0, len(prompt))),
+                                          LIVE)
+                _touch(self._blocks, name)
+                metrics.VLLM_HEADS.labels("compiled").inc()
+                metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
+                fut.set_result(None)
+            except BaseException as e:
+                fut.set_exception(e)
+                fut.exception()  # retrieved: a compile nobody else awaited logs nothing
+                raise
+            finally:
+                self._compiling.pop(name, None)
+        else:
+            await fut
 
-    def _count(self, digest: str) -> int:
-        n = self._seen.pop(digest, 0)
-        self._seen[digest] = n + 1
-        while len(self._seen) > 4096:
-            self._seams.pop(self._seen.popitem(last=False)[0], None)
-        return n + 1
+    async def _build(self, chain: Chain, ids: list[int], salt: str) -> None:
+        """Run the chain's steps (each computes and saves one run of tokens between copies) unless a repeat of the
+        composition finds them saved."""
+        if chain.digest in self._chains:
+            return
+        for n, transfer in chain.steps:
+            await self.client.prefill(ids[:n], salt, transfer, LIVE)
+        _touch(self._chains, chain.digest)
+
+    def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
+        """The request's chain, the seam each skill got, and the blocks it copies (record, ids, base)."""
+        plan, ns = prep.plan, prep.params.namespace
+        bases = [b.base for b in prep.blocks]
+        ops = head_ops(plan.segments, bases, prep.seams, list(self.rt.anchor))
+        names = [block_name(ns, self.rt.fingerprint, list(self.rt.anchor[:b.base]), list(b.token_ids))
+                 for b in prep.blocks]
+        chain = Chain.build(ops, names, chain_digest(ns, self.rt.fingerprint, plan.ids, ops, names))
+        exact_first = {op.block for op in ops if op.kind == "copy" and op.at == 0}
+        seams = {s.skill_index: (0 if s.skill_index in exact_first else min(prep.seams[s.skill_index], len(s.ids)))
+                 for s in plan.segments if s.kind == "skill" and s.skill_index is not None}
+        used = sorted({op.block for op in ops if op.kind == "copy" and op.block is not None})
+        blocks = [(names[i], list(prep.blocks[i].token_ids), prep.blocks[i].base) for i in used]
+        return chain, seams, blocks
 
     def _refine(self, digest: str, head_ids: list[int], namespace: str) -> None:
-        """vLLM prefills the exact head in the background; the order switches to it when that is done."""
+        """vLLM prefills the exact head at background priority; the order switches to it when that is done."""
         if digest in self._refining:
             return
         self._refining.add(digest)
 
         async def run() -> None:
             try:
-                await self.client.prefill(head_ids, exact_salt(namespace))
-                self._exact[digest] = None
-                while len(self._exact) > 4096:
-                    self._exact.popitem(last=False)
+                await self.client.prefill(head_ids, exact_salt(namespace), None, BACKGROUND)
+                _touch(self._exact, digest)
                 metrics.VLLM_HEADS.labels("refined").inc()
             except Exception as e:  # noqa: BLE001 - a background refinement that fails leaves the order composed
                 log.warning("refinement of a head on vLLM failed: %s", e)
@@ -128,46 +148,29 @@ class VllmEngine:
         return await self.client.health()
 
     async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
-        """Compose the head (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)` builds the
-        Final (the pipeline's, shared with the embedded engine). Errors before the first token raise here."""
+        """Build the head inside vLLM (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)`
+        builds the Final (the pipeline's, shared with the embedded engine). Errors before the first token raise."""
         from service.runtime.engine import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
-        h = head_length(plan) if prep.mode == "compose" else 0
-        ref, salt, t_head, n_reused = None, exact_salt(ns), 0.0, 0  # n_reused: head tokens published
-        refine = None
+        salt, t_head, transfer, refine = exact_salt(ns), 0.0, None, None
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
-        if h:
-            digest = head_digest(self.rt.fingerprint, ns, plan, h, prep.seams)
-            # else refined: vLLM's exact prefix, computed by it once (no head, exact salt)
-            if digest not in self._exact:
-                salt = approx_salt(ns, digest)
-                ref = self.pool.lookup(digest)
-                if ref is not None and not self.pool.acquire(ref):
-                    ref = None
+        chain = None
+        if prep.mode == "compose" and prep.blocks:
+            chain, pre.seams, blocks = self.plan(prep)
+            if chain.n_head and chain.digest not in self._exact:  # else refined: vLLM's exact prefix, no transfer
+                salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
-                if ref is None:
-                    composed = await self.serving.run_steps(self.rt.prefill_steps(
-                        plan, prep.blocks, mode="compose", seam_tokens=prep.seams,
-                        chunk=self.settings.prefill_chunk_tokens, defer_tail=True, tail_limit=HEAD_TAIL))
-                    layers = composed.cache.layers
-                    t1 = time.perf_counter()
-                    ref = self.pool.publish(plan.ids[:h], [la.keys for la in layers], [la.values for la in layers],
-                                            digest)
-                    pre.n_reused, pre.seams = composed.n_reused, composed.seams
-                    self._seams[digest] = composed.seams
-                    log.debug("head of %d tokens: composed in %.0f ms, published in %.0f ms", h, (t1 - t0) * 1e3,
-                              (time.perf_counter() - t1) * 1e3)
-                    metrics.VLLM_HEADS.labels("composed" if ref is not None else "no_room").inc()
-                else:
-                    pre.seams = dict(self._seams.get(digest, {}))
-                    metrics.VLLM_HEADS.labels("reused").inc()
+                await asyncio.gather(*(self._compile(name, ids, base, ns) for name, ids, base in blocks))
+                await self._build(chain, plan.ids, salt)
                 t_head = (time.perf_counter() - t0) * 1e3
-                n_reused = h if ref is not None else 0
-                n_seen = self._count(digest)
-                if self.refine_after and n_seen >= self.refine_after:  # after the response, below
-                    refine = lambda: self._refine(digest, plan.ids[:h], ns)  # noqa: E731
-        transfer = {"skillcache": ref.to_dict()} if ref is not None else None
+                transfer = {"skillcache": chain.final.to_dict()}
+                _touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
+                metrics.VLLM_HEADS.labels("composed").inc()
+                if self.refine_after and self._seen[chain.digest] >= self.refine_after:
+                    digest, head = chain.digest, plan.ids[:chain.n_head]
+                    refine = lambda: self._refine(digest, head, ns)  # noqa: E731
+        h = chain.n_head if chain is not None else 0
         usage, ids = Usage(), plan.ids
         stream = None
         try:
@@ -177,16 +180,13 @@ class VllmEngine:
             stream = self.client.stream(ids, prep.params.gen, salt, transfer, usage)
             first = await anext(stream)
         except BaseException:
-            if ref is not None:
-                self.pool.release(ref)
             if stream is not None:
                 await stream.aclose()
             raise
         ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
-        if ref is not None:
-            self.pool.release(ref)  # loaded: vLLM had it before its first token
         pre.timings_ms["prefill_ms"] = t_head
-        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_reused, salt != exact_salt(ns), finish,
+        n_copied = chain.n_copied if transfer is not None and chain is not None else 0
+        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_copied, salt != exact_salt(ns), finish,
                               refine)
         parser = prep.tools.parser() if prep.tools is not None else None
         return parsed(events, parser) if parser is not None else events
@@ -204,7 +204,7 @@ class VllmEngine:
         tools.chosen(best)
         return best.name_ids + best.rest_ids
 
-    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_reused: int,
+    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_copied: int,
                       approx: bool, finish, refine):
         text, ids, reason, top, chunk = [], [], None, first.top_logprobs, first
         try:
@@ -221,16 +221,20 @@ class VllmEngine:
         finally:
             await stream.aclose()
         cached, n = usage.cached_tokens, pre.n_prompt  # the prompt sent: a chosen tool's opening included
-        if n_reused and cached < h:  # the connector did not load the head: vLLM computed it (nothing wrong served)
+        if approx and cached < h:  # the connector did not load the whole head: vLLM computed it (nothing wrong served)
             metrics.VLLM_HEADS.labels("rejected").inc()
-            log.warning("vLLM computed %d of the %d head tokens skillcache published", h - cached, h)
-        # what vLLM did not compute came from the head it loaded or its prefix cache: composed K/V under an approximate
-        # salt, exact K/V under the exact one. Exact beyond a refined head (h: its length), or with no head at all (no
-        # skills, mode=full): vLLM's prefix cache served a repeated prompt head, salted per tenant, as the embedded
-        # engine's automatic heads do (service/compose/auto.py): usage and metrics say auto for it
-        pre.n_reused, pre.n_prefix = (cached, 0) if approx else (0, cached)
-        pre.n_auto = 0 if approx else max(0, cached - h)
-        pre.n_recomputed = n - cached
+            log.warning("vLLM computed %d of the %d head tokens skillcache planned to load", h - cached, h)
+        # approximate salt: the copied tokens are composed, the rest vLLM computed (the chain's steps included) or
+        # found in its prefix cache under this composition's salt. Exact salt, beyond a refined head (h: its length)
+        # or with no head at all: vLLM's prefix cache served a repeated prompt head, salted per tenant, as the
+        # embedded engine's automatic heads do (service/compose/auto.py): usage and metrics say auto for it
+        if approx:
+            pre.n_reused, pre.n_prefix, pre.n_auto = (n_copied if cached >= h else 0), 0, 0
+            pre.n_recomputed = n - pre.n_reused
+        else:
+            pre.n_reused, pre.n_prefix = 0, cached
+            pre.n_auto = max(0, cached - h)
+            pre.n_recomputed = n - cached
         done = Done(reason or "stop", "".join(text), ids, top)
         yield finish(prep, done, pre, ttft_ms)
         if refine is not None:  # after the response: never on the sampled request's clock
@@ -239,5 +243,4 @@ class VllmEngine:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        self.pool.close()
         await self.client.close()

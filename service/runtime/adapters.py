@@ -185,3 +185,17 @@ def model_class_for(config):
             and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
+
+
+def rotator_for_config(config) -> KeyRotator:
+    """The KeyRotator of the model `config` describes, without its weights: the model is built on the meta device and
+    only its rotary module is made for real (a process that runs the model elsewhere, such as vLLM's connector)."""
+    with torch.device("meta"):
+        model = model_class_for(config).from_config(config)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        raise UnsupportedModel(f"{type(model).__name__} has no rotary embedding; re-rotation needs RoPE")
+    with torch.device("cpu"):
+        decoder.rotary_emb = type(rotary)(config.get_text_config(decoder=True))
+    return build_rotator(model)

@@ -1,10 +1,10 @@
 """VllmClient: skillcache's side of a vLLM server, over its OpenAI-compatible HTTP API (no torch, no vllm).
 
 A request goes to /v1/completions as token ids (`prompt: [int]`), streamed, with `cache_salt` and, for a composed
-head, `kv_transfer_params` naming the head (service/vllm/connector.py reads it). Chunks come back as text deltas
-with their token ids (`return_token_ids`); the last carries usage, whose `prompt_tokens_details.cached_tokens`
-(vLLM started with --enable-prompt-tokens-details) counts the prompt tokens vLLM did not compute: its own prefix
-cache hits plus the tokens the connector loaded.
+head, `kv_transfer_params` naming what the connector loads and saves (service/vllm/transfer.py). Chunks come back
+as text deltas with their token ids (`return_token_ids`); the last carries usage, whose
+`prompt_tokens_details.cached_tokens` (vLLM started with --enable-prompt-tokens-details) counts the prompt tokens
+vLLM did not compute: its own prefix cache hits plus the tokens the connector loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from service.errors import EngineUnavailable, InvalidRequest
+from service.vllm.transfer import Transfer
 
 
 @dataclass
@@ -112,12 +113,21 @@ class VllmClient:
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"vLLM at {self.base_url} failed mid-request ({type(e).__name__}: {e})") from e
 
-    async def prefill(self, ids: list[int], cache_salt: str) -> None:
-        """Have vLLM compute `ids` (one token generated) so its prefix cache holds their K/V under `cache_salt`."""
+    async def prefill(self, ids: list[int], cache_salt: str, transfer: "Transfer | None" = None, priority: int = 0
+                      ) -> None:
+        """Have vLLM compute `ids` (one token generated): its prefix cache then holds their K/V under `cache_salt`, and
+        the connector loads and saves what `transfer` names (service/vllm/transfer.py). `priority`: vLLM's (lower
+        runs first; background work goes behind live requests)."""
         body = {"model": await self.served_model(), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                 "cache_salt": cache_salt}
+        if transfer is not None:
+            body["kv_transfer_params"] = {"skillcache": transfer.to_dict()}
+        if priority:
+            body["priority"] = priority
         try:
             r = await self.http.post("/v1/completions", json=body)
+            if r.status_code == 400:
+                raise InvalidRequest(f"vLLM refused a prefill: {r.text[:500]}")
             r.raise_for_status()
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"vLLM at {self.base_url} failed a prefill ({type(e).__name__}: {e})") from e

@@ -1,24 +1,26 @@
-"""SkillcacheConnector: vLLM loads the composed head skillcache published for a request; vLLM computes the rest.
+"""SkillcacheConnector: inside vLLM, it moves and rotates K/V; vLLM computes every token that is computed.
 
 Loaded by vLLM (it imports this module; the service does not):
 
     --kv-transfer-config '{"kv_connector": "SkillcacheConnector",
-                           "kv_connector_module_path": "service.vllm.connector", "kv_role": "kv_consumer",
-                           "kv_connector_extra_config": {"heads_dir": "/dev/shm/skillcache-heads"}}'
+                           "kv_connector_module_path": "service.vllm.connector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"spans_dir": "/dev/shm/skillcache-spans"}}'
 
-The request carries its head's reference in `kv_transfer_params={"skillcache": HeadRef.to_dict()}` and a
-`cache_salt` chosen by skillcache (approximate heads never share vLLM's prefix cache with exact requests:
-service/vllm/salt.py). Prefix-only: tokens [0, n) come from the head, vLLM computes [n, prompt end).
+A request names what to copy and what to keep in `kv_transfer_params={"skillcache": Transfer.to_dict()}`
+(service/vllm/transfer.py): pieces of saved spans that tile its prompt's first n tokens, and a span of its own tokens
+to save. skillcache plans them (service/engines/vllm.py); the connector checks and carries them out:
 
-Scheduler side: get_num_new_matched_tokens checks the record (service/vllm/heads.py: gen, model, layout, the
-prompt's ids, the CRC of every chunk it will load) and answers n minus what vLLM already holds; anything that does
-not check out answers 0, so vLLM computes those tokens itself. build_connector_meta turns the request's blocks into
-slot ids. Worker side: start_load_kv writes each layer's K/V with the attention backend's own cache write
-(`impl.do_kv_cache_update`: cpu_attn_reshape_and_cache on the CPU backend, reshape_and_cache_flash on CUDA's
-FlashAttention, each packing its own layout), so one path serves both. On CUDA the record is copied host->device
-per layer first (`.to(kv_cache.device)`); a pinned staging buffer would overlap it with compute (not done: the CPU
-build is what this project runs). If the record changed between the check and the copy (its gen no longer
-matches after the write), the request's blocks are reported as load errors and vLLM recomputes them.
+Scheduler side: get_num_new_matched_tokens answers the pieces' tokens beyond vLLM's own prefix hit, up to the first
+piece whose record is missing or whose ids are not the prompt's (vLLM computes from there: prefix-only, nothing wrong
+is loaded). build_connector_meta turns the request's blocks into slots, for loads and, once the step that completes
+the save span is scheduled, for the save.
+Worker side: start_load_kv reads each piece's record (this rank's heads, service/vllm/spans.py), re-rotates its keys
+by the piece's move with the project's rotary code (service/kv/rope.py, built from vLLM's model config), and writes
+them with the attention backend's own cache write (`impl.do_kv_cache_update`), whatever layout it packs.
+save_kv_layer reads the save span's slots back out of each layer's cache (service/vllm/paged.py learns the layout
+from the same write) and wait_for_save writes the record. A record that fails its check while loading reports the
+request's blocks as load errors: vLLM recomputes them (kv_load_failure_policy "recompute").
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from service.vllm.heads import HeadError, HeadReader, HeadRef, Layout
+from service.vllm.paged import LayoutError, SlotIndex, learn
+from service.vllm.spans import SpanError, SpanStore, model_key
+from service.vllm.transfer import Piece, Transfer, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,132 +49,248 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("skillcache.connector")
-DEFAULT_HEADS_DIR = "/dev/shm/skillcache-heads"
+DEFAULT_SPANS_DIR = "/dev/shm/skillcache-spans"
 
 
 @dataclass
 class Load:
-    ref: dict
-    start: int  # tokens [start, n) of the head are written
-    slots: list[int]  # one per token, start..n-1
+    pieces: list[Piece]  # clipped to the tokens this request loads
+    slots: list[int]  # one per token, in the pieces' order
+    block_ids: list[int]  # the request's blocks those tokens sit in (reported on a failed load)
+
+
+@dataclass
+class SaveJob:
+    name: str
+    lo: int
+    ids: list[int]
+    slots: list[int]
 
 
 @dataclass
 class SkillcacheMeta(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
-    block_ids: dict[int, list[int]] = field(default_factory=dict)  # load index -> the request's blocks
+    saves: list[SaveJob] = field(default_factory=list)
 
 
-def head_ref(request: "Request") -> HeadRef | None:
+@dataclass
+class _Pending:
+    """A request's save, on the scheduler side, until the step that completes its span."""
+
+    name: str
+    lo: int
+    hi: int
+    ids: list[int]
+    blocks: list[int] = field(default_factory=list)
+
+
+def transfer_of(request: "Request") -> Transfer | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     d = params.get("skillcache") if isinstance(params, dict) else None
-    return HeadRef.from_dict(d) if d else None
-
-
-def model_layout(vllm_config: "VllmConfig") -> Layout:
-    mc = vllm_config.model_config
-    dtype = str(vllm_config.cache_config.cache_dtype)
-    dtype = str(mc.dtype).removeprefix("torch.") if dtype == "auto" else dtype
-    return Layout(mc.get_num_layers(vllm_config.parallel_config), mc.get_total_num_kv_heads(), mc.get_head_size(),
-                  dtype)
+    return Transfer.from_dict(d) if d else None
 
 
 class SkillcacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        pc = vllm_config.parallel_config
-        self._setup(HeadReader(Path(extra.get("heads_dir", DEFAULT_HEADS_DIR))), vllm_config.cache_config.block_size,
-                    model_layout(vllm_config), getattr(pc, "rank", 0), pc.tensor_parallel_size)
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        dtype = str(vllm_config.cache_config.cache_dtype)
+        dtype = str(mc.dtype).removeprefix("torch.") if dtype == "auto" else dtype
+        key = model_key(str(mc.model), dtype, mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size())
+        store = SpanStore(Path(extra.get("spans_dir", DEFAULT_SPANS_DIR)), key, getattr(pc, "rank", 0),
+                          pc.tensor_parallel_size, int(extra.get("cache_bytes", 512 * 1024**2)))
+        self._setup(store, vllm_config.cache_config.block_size, lambda: _rotator(mc.hf_config))
 
-    def _setup(self, reader: HeadReader, block_size: int, layout: Layout, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def _setup(self, store: SpanStore, block_size: int, rotator_fn) -> None:
         """The connector's own state (apart from vLLM's config: the tests build it with this alone)."""
-        self.reader, self.block_size, self.layout = reader, block_size, layout
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.store, self.block_size = store, block_size
+        self._rotator_fn, self._rotator = rotator_fn, None
         self._connector_metadata = None
-        self._matched: dict[str, tuple[HeadRef, int]] = {}  # request id -> (head, first token to load)
-        self._to_load: dict[str, tuple[HeadRef, int]] = {}  # allocated, waiting for build_connector_meta
+        self._matched: dict[str, tuple[Transfer, int]] = {}  # request id -> (transfer, tokens it can supply)
+        self._to_load: dict[str, tuple[Transfer, int, int]] = {}  # allocated: [start, end) to load
+        self._saves: dict[str, _Pending] = {}
         self._failed_blocks: set[int] = set()
-        self.n_rejected = 0  # heads that did not check out (logged; skillcache counts them from usage)
+        self._index: dict[tuple, SlotIndex] = {}  # learned cache layouts
+        self._saving: dict[int, tuple[list, list]] = {}  # save job -> per layer (k, v), this step
+        self.n_rejected = 0
 
     # ---- scheduler side --------------------------------------------------------------------
+    def _available(self, t: Transfer, prompt: list[int]) -> int:
+        """Tokens [0, n) the pieces can supply for `prompt`: up to the first piece that does not check out."""
+        n = 0
+        for p in t.load:
+            try:
+                if not self.store.exists(p.name):
+                    raise SpanError(f"span {p.name!r} is not saved")
+                pos, ids = self.store.header(p.name)
+                if not (pos <= p.lo and p.hi <= pos + len(ids)) or ids[p.lo - pos:p.hi - pos] != prompt[p.at:p.end]:
+                    raise SpanError(f"span {p.name!r} holds other tokens than the prompt's {p.at}..{p.end}")
+            except SpanError as e:
+                self.n_rejected += 1
+                log.warning("skillcache: %s; vLLM computes from token %d", e, n)
+                break
+            n = p.end
+        return min(n, len(prompt) - 1)  # vLLM computes at least the last prompt token
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         try:
-            ref = head_ref(request)
-            if ref is None or ref.n_tokens <= num_computed_tokens:
-                return 0, False
-            self.reader.open(ref, request.prompt_token_ids or [], self.layout, lo=num_computed_tokens)
-        except HeadError as e:
-            self.n_rejected += 1
-            log.warning("skillcache head for %s not used (vLLM computes it): %s", request.request_id, e)
+            t = transfer_of(request)
+        except TransferError as e:
+            log.warning("skillcache transfer of %s ignored: %s", request.request_id, e)
             return 0, False
-        self._matched[request.request_id] = (ref, num_computed_tokens)
-        return ref.n_tokens - num_computed_tokens, False
+        if t is None:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        if t.save is not None and request.request_id not in self._saves and t.save.hi <= len(prompt):
+            self._saves[request.request_id] = _Pending(t.save.name, t.save.lo, t.save.hi, prompt[t.save.lo:t.save.hi])
+        n = self._available(t, prompt) if t.n_load > num_computed_tokens else 0
+        if n <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = (t, n)
+        return n - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         if matched is not None and num_external_tokens > 0:
-            ref, _ = matched
-            self._to_load[request.request_id] = (ref, ref.n_tokens - num_external_tokens)
+            t, n = matched
+            self._to_load[request.request_id] = (t, n - num_external_tokens, n)
+
+    def _slots(self, blocks: list[int], lo: int, hi: int) -> list[int]:
+        bs = self.block_size
+        return [blocks[i // bs] * bs + i % bs for i in range(lo, hi)]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SkillcacheMeta()
-        blocks_of: dict[str, list[int]] = {r.req_id: r.block_ids[0] for r in scheduler_output.scheduled_new_reqs}
+        blocks_of: dict[str, list[int]] = {}  # the request's whole block list, where this step tells it
+        computed: dict[str, int] = {}  # tokens computed after this step
+        sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for r in scheduler_output.scheduled_new_reqs:
+            blocks_of[r.req_id] = list(r.block_ids[0])
+            computed[r.req_id] = getattr(r, "num_computed_tokens", 0) + sched.get(r.req_id, 0)
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: new_block_ids holds all its blocks
-            if req_id in self._to_load and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                blocks_of[req_id] = cached.new_block_ids[i][0]
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new is not None:  # resumed: new_block_ids holds all its blocks
+                blocks_of[req_id] = list(new[0])
+            elif req_id in self._saves and new is not None:
+                self._saves[req_id].blocks.extend(new[0])
+            computed[req_id] = cached.num_computed_tokens[i] + sched.get(req_id, 0)
         for req_id in [r for r in self._to_load if r in blocks_of]:
-            ref, start = self._to_load.pop(req_id)
-            block_ids = blocks_of[req_id]
+            t, start, end = self._to_load.pop(req_id)
+            blocks = blocks_of[req_id]
             bs = self.block_size
-            slots = [block_ids[t // bs] * bs + t % bs for t in range(start, ref.n_tokens)]
-            meta.block_ids[len(meta.loads)] = block_ids[start // bs:-(-ref.n_tokens // bs)]
-            meta.loads.append(Load(ref.to_dict(), start, slots))
+            meta.loads.append(Load(t.clip(start, end), self._slots(blocks, start, end),
+                                   blocks[start // bs:-(-end // bs)]))
+        for req_id, pending in list(self._saves.items()):
+            if req_id in blocks_of:
+                pending.blocks = list(blocks_of[req_id])
+            if computed.get(req_id, 0) >= pending.hi:  # this step completes the span: save it at its end
+                del self._saves[req_id]
+                meta.saves.append(SaveJob(pending.name, pending.lo, pending.ids,
+                                          self._slots(pending.blocks, pending.lo, pending.hi)))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._matched.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)
+        for d in (self._matched, self._to_load, self._saves):
+            d.pop(request.request_id, None)  # type: ignore[attr-defined]
         return False, None
 
     # ---- worker side -----------------------------------------------------------------------
+    @property
+    def rotator(self):
+        if self._rotator is None:
+            self._rotator = self._rotator_fn()
+        return self._rotator
+
+    @staticmethod
+    def _layers(forward_context: "ForwardContext") -> list[tuple[int, Any]]:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return [(extract_layer_index(name), layer) for name, layer in forward_context.no_compile_layers.items()
+                if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")]
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, SkillcacheMeta) or not meta.loads:
             return
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        layers = [(name, layer) for name, layer in forward_context.no_compile_layers.items()
-                  if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")]
-        h_per_rank = self.layout.n_kv_heads // max(1, self.tp_size)
-        heads = slice(self.tp_rank * h_per_rank, (self.tp_rank + 1) * h_per_rank)
-        for i, load in enumerate(meta.loads):
-            ref = HeadRef.from_dict(load.ref)
+        layers = self._layers(forward_context)
+        for load in meta.loads:
             try:
-                m = self.reader.map_checked(ref, self.layout)
-                for name, layer in layers:
-                    cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-                    li = extract_layer_index(name)
-                    dt, dev = cache.dtype, cache.device
-                    k = m.keys[li, load.start:ref.n_tokens, heads].to(dev, dt)  # [T, H_kv/tp, D]
-                    v = m.values[li, load.start:ref.n_tokens, heads].to(dev, dt)
-                    slots = torch.tensor(load.slots, dtype=torch.int64, device=dev)
-                    layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
-                self.reader.header(ref)  # still the same record after the copy
-            except HeadError as e:
-                log.warning("skillcache head changed while loading; vLLM recomputes its blocks: %s", e)
-                self._failed_blocks.update(meta.block_ids.get(i, []))
+                self._load(load, layers)
+            except (SpanError, ValueError, RuntimeError) as e:
+                log.warning("skillcache spans did not load; vLLM recomputes their blocks: %s", e)
+                self._failed_blocks.update(load.block_ids)
+
+    def _load(self, load: Load, layers: list[tuple[int, Any]]) -> None:
+        at = 0
+        for p in load.pieces:
+            span = self.store.load(p.name)
+            a, b = p.lo - span.pos, p.hi - span.pos
+            if a < 0 or b > len(span.ids):
+                raise SpanError(f"span {p.name!r} does not hold positions {p.lo}..{p.hi}")
+            slots_cpu = torch.tensor(load.slots[at:at + b - a], dtype=torch.int64)
+            at += b - a
+            for li, layer in layers:
+                cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+                k = span.k[li, a:b]  # [T, H, D] this rank's heads
+                if p.delta:
+                    k = self.rotator.rotate(k.transpose(0, 1)[None], p.delta, li)[0].transpose(0, 1)
+                dev, dt = cache.device, cache.dtype
+                layer.impl.do_kv_cache_update(layer, k.to(dev, dt).contiguous(), span.v[li, a:b].to(dev, dt),
+                                              cache, slots_cpu.to(dev))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
+    def _slot_index(self, layer: Any, cache: torch.Tensor) -> SlotIndex:
+        n_heads, head_dim = int(layer.num_kv_heads), int(layer.head_size)
+        key = (tuple(cache.shape), cache.dtype, str(getattr(layer, "isa", "")), type(layer.impl).__name__)
+        if key not in self._index:
+            write = lambda k, v, c, s: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+            cfg = getattr(self, "_kv_cache_config", None)  # [2, blocks, ...] on CUDA, [blocks, ...] on CPU
+            num_blocks = int(getattr(cfg, "num_blocks", 0) or cache.shape[0])
+            self._index[key] = learn(cache, num_blocks, self.block_size, n_heads, head_dim, write)
+        return self._index[key]
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SkillcacheMeta) or not meta.saves:
+            return
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layer = get_forward_context().no_compile_layers[layer_name]
+        li = extract_layer_index(layer_name)
+        cache = kv_layer[0] if isinstance(kv_layer, list) else kv_layer
+        try:
+            index = self._slot_index(layer, cache)
+        except LayoutError as e:
+            log.warning("skillcache cannot read this cache back (nothing is saved): %s", e)
+            return
+        for j, job in enumerate(meta.saves):
+            k, v = index.gather(cache, torch.tensor(job.slots, dtype=torch.int64, device=cache.device))
+            ks, vs = self._saving.setdefault(j, ([], []))
+            ks.append((li, k.cpu()))
+            vs.append((li, v.cpu()))
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        saving, self._saving = self._saving, {}
+        if not isinstance(meta, SkillcacheMeta):
+            return
+        for j, (ks, vs) in saving.items():
+            job = meta.saves[j]
+            k = torch.stack([t for _, t in sorted(ks, key=lambda x: x[0])])  # [L, T, H, D]
+            v = torch.stack([t for _, t in sorted(vs, key=lambda x: x[0])])
+            self.store.save(job.name, job.lo, job.ids, k, v)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+
+def _rotator(hf_config):
+    from service.runtime.adapters import rotator_for_config
+
+    return rotator_for_config(hf_config)

@@ -1,10 +1,10 @@
 """Start a vLLM server that loads skillcache's connector: one command line for `make run-vllm`, the tests and bench.
 
-    python -m service.vllm.launch [--port P] [--python .venv-vllm/bin/python] [--heads-dir D] [--dtype float32]
+    python -m service.vllm.launch [--port P] [--python .venv-vllm/bin/python] [--spans-dir D] [--dtype auto]
 
 serves the model skillcache is configured with (SKILLCACHE_MODEL; the embedded GGUF is converted once into the HF
-folder vLLM reads) under the name `skillcache`, float32 by default: the head skillcache composes on the same weights
-in float32 then loads bit for bit (vLLM's CPU default, bfloat16, rounds it: docs/OPERATIONS.md, "vLLM engine").
+folder vLLM reads) under the name `skillcache`, in the dtype vLLM runs fastest on this machine (fastest_dtype; one
+setting overrides), with skillcache's connector and priority scheduling.
 vLLM runs in its own venv (scripts/install-vllm.sh); this module only builds its command and environment.
 """
 
@@ -39,19 +39,64 @@ def model_dir(settings) -> Path:
     return path
 
 
-def connector_config(heads_dir: Path) -> str:
+def connector_config(spans_dir: Path) -> str:
+    """kv_both: the connector loads spans into requests and saves the spans vLLM computes (service/vllm/connector.py);
+    a load that fails is recomputed by vLLM, never served."""
     return json.dumps({"kv_connector": "SkillcacheConnector", "kv_connector_module_path": "service.vllm.connector",
-                       "kv_role": "kv_consumer", "kv_connector_extra_config": {"heads_dir": str(heads_dir)}})
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"spans_dir": str(spans_dir)}})
 
 
-def command(model: Path, port: int, heads_dir: Path | None, python: Path = VLLM_PYTHON, dtype: str = "float32",
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fastest_dtype(flags: set[str] | None = None, gpu: bool | None = None) -> tuple[str, str]:
+    """(dtype, why): the dtype vLLM runs fastest in on this machine. bfloat16 on a GPU and on CPUs with bfloat16
+    instructions (AVX-512 BF16, AMX); float32 on other CPUs, where vLLM's bfloat16 ran 4-5x slower here."""
+    if gpu if gpu is not None else _nvidia_gpu():
+        return "bfloat16", "an NVIDIA GPU"
+    flags = cpu_flags() if flags is None else flags
+    have = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if have:
+        return "bfloat16", f"the CPU has {' and '.join(have)}"
+    return "float32", "the CPU has no bfloat16 instructions (avx512_bf16, amx_bf16)"
+
+
+def _nvidia_gpu() -> bool:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.startswith("GPU ")
+
+
+def resolve_dtype(setting: str) -> str:
+    """SKILLCACHE_VLLM_DTYPE: auto picks fastest_dtype() and says why; anything else is used as set."""
+    if setting != "auto":
+        print(f"vLLM dtype {setting} (SKILLCACHE_VLLM_DTYPE)", file=sys.stderr)
+        return setting
+    dtype, why = fastest_dtype()
+    print(f"vLLM dtype {dtype}: {why} (SKILLCACHE_VLLM_DTYPE=auto; set it to override)", file=sys.stderr)
+    return dtype
+
+
+def command(model: Path, port: int, spans_dir: Path | None, python: Path = VLLM_PYTHON, dtype: str = "float32",
             host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
-    """vLLM's OpenAI server; heads_dir None: vLLM alone (no connector), for the side-by-side benchmark."""
+    """vLLM's OpenAI server; spans_dir None: vLLM alone (no connector), for the side-by-side benchmark. With the
+    connector, priority scheduling: skillcache sends its background work (compiles, refinements) behind live
+    requests."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype, "--enable-prompt-tokens-details",
            "--disable-uvicorn-access-log"]
-    if heads_dir is not None:
-        cmd += ["--kv-transfer-config", connector_config(heads_dir)]
+    if spans_dir is not None:
+        cmd += ["--kv-transfer-config", connector_config(spans_dir), "--scheduling-policy", "priority"]
     arch = causal_lm_architecture(model)
     if arch is not None:  # a folder converted before its config named one: vLLM would guess another head
         cmd += ["--hf-overrides", json.dumps({"architectures": [arch]})]
@@ -126,8 +171,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m service.vllm.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--python", type=Path, default=VLLM_PYTHON)
-    ap.add_argument("--heads-dir", type=Path, default=None, help="default: SKILLCACHE_VLLM_HEADS_DIR")
-    ap.add_argument("--dtype", default=None, help="default: SKILLCACHE_VLLM_DTYPE (float32)")
+    ap.add_argument("--spans-dir", type=Path, default=None, help="default: SKILLCACHE_VLLM_SPANS_DIR")
+    ap.add_argument("--dtype", default=None, help="default: SKILLCACHE_VLLM_DTYPE (auto: the fastest here)")
     ap.add_argument("--print-model-dir", action="store_true", help="convert if needed, print the folder, exit")
     args, extra = ap.parse_known_args()
     settings = Settings()
@@ -135,8 +180,8 @@ def main() -> None:
     if args.print_model_dir:
         print(model)
         return
-    cmd = command(model, args.port, args.heads_dir or settings.vllm_heads_dir, args.python,
-                  args.dtype or settings.vllm_dtype, extra=extra)
+    cmd = command(model, args.port, args.spans_dir or settings.vllm_spans_dir, args.python,
+                  resolve_dtype(args.dtype or settings.vllm_dtype), extra=extra)
     os.execve(cmd[0], cmd, environment())  # replaces this process: signals reach vLLM directly
 
 
