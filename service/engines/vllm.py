@@ -100,14 +100,15 @@ class VllmEngine:
         else:
             await fut
 
-    async def _build(self, chain: Chain, ids: list[int], salt: str) -> None:
+    async def _build(self, chain: Chain, ids: list[int], salt: str) -> int:
         """Run the chain's steps (each computes and saves one run of tokens between copies) unless a repeat of the
-        composition finds them saved."""
+        composition finds them saved; the tokens they computed."""
         if chain.digest in self._chains:
-            return
+            return 0
         for n, transfer in chain.steps:
             await self.client.prefill(ids[:n], salt, transfer, LIVE)
         _touch(self._chains, chain.digest)
+        return chain.n_head - chain.n_copied
 
     def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
         """The request's chain, the seam each skill got, and the blocks it copies (record, ids, base)."""
@@ -123,6 +124,14 @@ class VllmEngine:
         used = sorted({op.block for op in ops if op.kind == "copy" and op.block is not None})
         blocks = [(names[i], list(prep.blocks[i].token_ids), prep.blocks[i].base) for i in used]
         return chain, seams, blocks
+
+    def _forget(self, records: list[str]) -> None:
+        """Records the connector could not load (gone from the spans dir, corrupt and removed): compiled or computed
+        anew the next time a request needs them."""
+        for name in records:
+            self._blocks.pop(name, None)
+            if name.startswith("step-"):
+                self._chains.pop(name.split("-")[1], None)
 
     def _refine(self, digest: str, head_ids: list[int], namespace: str) -> None:
         """vLLM prefills the exact head at background priority; the order switches to it when that is done."""
@@ -153,7 +162,7 @@ class VllmEngine:
         from service.runtime.engine import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
-        salt, t_head, transfer, refine = exact_salt(ns), 0.0, None, None
+        salt, t_head, transfer, refine, n_step = exact_salt(ns), 0.0, None, None, 0
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
         chain = None
         if prep.mode == "compose" and prep.blocks:
@@ -162,7 +171,7 @@ class VllmEngine:
                 salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(self._compile(name, ids, base, ns) for name, ids, base in blocks))
-                await self._build(chain, plan.ids, salt)
+                n_step = await self._build(chain, plan.ids, salt)
                 t_head = (time.perf_counter() - t0) * 1e3
                 transfer = {"skillcache": chain.final.to_dict()}
                 _touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
@@ -185,9 +194,9 @@ class VllmEngine:
             raise
         ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
         pre.timings_ms["prefill_ms"] = t_head
-        n_copied = chain.n_copied if transfer is not None and chain is not None else 0
-        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_copied, salt != exact_salt(ns), finish,
-                              refine)
+        records = [p.name for p in chain.final.load] if chain is not None else []
+        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_step, salt != exact_salt(ns), finish,
+                              refine, records)
         parser = prep.tools.parser() if prep.tools is not None else None
         return parsed(events, parser) if parser is not None else events
 
@@ -204,8 +213,8 @@ class VllmEngine:
         tools.chosen(best)
         return best.name_ids + best.rest_ids
 
-    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_copied: int,
-                      approx: bool, finish, refine):
+    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_step: int,
+                      approx: bool, finish, refine, names: list[str]):
         text, ids, reason, top, chunk = [], [], None, first.top_logprobs, first
         try:
             while True:
@@ -224,17 +233,19 @@ class VllmEngine:
         if approx and cached < h:  # the connector did not load the whole head: vLLM computed it (nothing wrong served)
             metrics.VLLM_HEADS.labels("rejected").inc()
             log.warning("vLLM computed %d of the %d head tokens skillcache planned to load", h - cached, h)
-        # approximate salt: the copied tokens are composed, the rest vLLM computed (the chain's steps included) or
-        # found in its prefix cache under this composition's salt. Exact salt, beyond a refined head (h: its length)
-        # or with no head at all: vLLM's prefix cache served a repeated prompt head, salted per tenant, as the
-        # embedded engine's automatic heads do (service/compose/auto.py): usage and metrics say auto for it
+            self._forget(names)
+        # approximate salt: the head is composed, less what this request's chain steps computed (seams, text between
+        # blocks: the first time a composition is served). Beyond the head (h: its length), what vLLM's prefix cache
+        # served under the same salt (an earlier turn of a session, a repeated turn) is an automatic head, as on the
+        # embedded engine (service/compose/auto.py); so is what it served beyond a refined head under the exact salt,
+        # or of a prompt with no head at all
+        past_head = max(0, cached - h)
         if approx:
-            pre.n_reused, pre.n_prefix, pre.n_auto = (n_copied if cached >= h else 0), 0, 0
-            pre.n_recomputed = n - pre.n_reused
+            pre.n_reused = h - n_step if cached >= h else 0
+            pre.n_prefix = pre.n_auto = past_head
         else:
-            pre.n_reused, pre.n_prefix = 0, cached
-            pre.n_auto = max(0, cached - h)
-            pre.n_recomputed = n - cached
+            pre.n_reused, pre.n_prefix, pre.n_auto = 0, cached, past_head
+        pre.n_recomputed = n - pre.n_reused - pre.n_prefix
         done = Done(reason or "stop", "".join(text), ids, top)
         yield finish(prep, done, pre, ttft_ms)
         if refine is not None:  # after the response: never on the sampled request's clock

@@ -9,10 +9,10 @@ One file per record and tensor-parallel rank, safetensors, in the connector's sp
     <dir>/<model key>/<name>.tp<size>r<rank>.safetensors
     k, v    [L, T, H_kv / tp, D] in vLLM's cache dtype (this rank's heads)
     metadata: pos (first position), ids (json), crc (CRC32 of k then v)
-Written to a temporary name and renamed: a reader sees a whole record or none. A record whose CRC fails reads as
-missing (vLLM computes its tokens). Only this module reads or writes the files (the `store` rule, for files the
-connector shares across processes and ranks). The model key (hash of vLLM's model, dtype and layout) keeps records
-of another model or layout apart.
+Written to a temporary name and renamed: a reader sees a whole record or none. A record whose CRC fails is removed
+and reads as missing (vLLM computes its tokens). Only this module reads or writes the files (the `store` rule, for
+files the connector shares across processes and ranks). The model key (hash of vLLM's model, dtype and layout) keeps
+records of another model or layout apart.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
@@ -61,7 +61,7 @@ def model_key(model: str, dtype: str, n_layers: int, n_kv_heads: int, head_dim: 
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or name.startswith("."):
+    if not isinstance(name, str) or not NAME.fullmatch(name) or name.startswith("."):
         raise SpanError(f"bad span name {name!r}")
     return name
 
@@ -99,7 +99,7 @@ class SpanStore:
             with safe_open(str(self.path(name, 0)), framework="pt") as f:
                 meta = f.metadata() or {}
             return int(meta["pos"]), [int(t) for t in json.loads(meta["ids"])]
-        except (OSError, KeyError, ValueError, TypeError) as e:
+        except (OSError, KeyError, ValueError, TypeError, SafetensorError) as e:
             raise SpanError(f"span {name!r}: {e}") from e
 
     def save(self, name: str, pos: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,10 +124,11 @@ class SpanStore:
                 meta = f.metadata() or {}
                 k, v = f.get_tensor("k"), f.get_tensor("v")
             span = Span(int(meta["pos"]), [int(t) for t in json.loads(meta["ids"])], k, v)
-        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError, SafetensorError) as e:
             raise SpanError(f"span {name!r} unreadable: {e}") from e
         if str(_crc(k, v)) != meta.get("crc") or k.shape[1] != len(span.ids) or k.shape != v.shape:
-            raise SpanError(f"span {name!r} fails its check (corrupt or cut)")
+            path.unlink(missing_ok=True)  # gone: the scheduler side now finds it missing, and its owner saves it anew
+            raise SpanError(f"span {name!r} fails its check (corrupt or cut); removed")
         self._cache[name] = span
         self._held += span.nbytes
         while self._held > self.cache_bytes and len(self._cache) > 1:

@@ -1,7 +1,8 @@
 """skillcache on a real vLLM-CPU server: the composed head loads, approximate K/V stay apart, faults stay typed.
 
-One vLLM server (float32, the connector loaded, the embedded model's converted folder) for the module; skillcache
-in process on the same weights with SKILLCACHE_ENGINE=vllm. vLLM's own counters tell who computed what:
+One vLLM server (its fastest dtype here, the connector loaded, the embedded model's converted folder) for the module;
+skillcache in process with SKILLCACHE_ENGINE=vllm: vLLM compiles the blocks and computes the seams, the connector
+moves and rotates the K/V. vLLM's own counters tell who computed what:
 vllm:prompt_tokens_by_source_total{source=external_kv_transfer|local_cache_hit|local_compute}. The last test kills
 vLLM mid-stream and starts it again.
 """
@@ -19,8 +20,7 @@ from appclient import make_client
 from embedded_model import embedded_settings
 from service.devserver import free_port
 from service.tools.render import ToolPrompt
-from service.vllm.heads import HeadWriter, Layout, _Mapped
-from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, model_dir
+from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
 from vllm_env import vllm_python_or_skip
 
 pytestmark = pytest.mark.slow
@@ -36,15 +36,15 @@ SKILL_B = ("Shipping. Standard shipping takes 3-5 business days and is free over
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     python = vllm_python_or_skip()
-    heads = tmp_path_factory.mktemp("heads")
-    cmd = command(model_dir(embedded_settings()), free_port(), heads, python=python)
+    spans = tmp_path_factory.mktemp("spans")
+    cmd = command(model_dir(embedded_settings()), free_port(), spans, python=python, dtype=fastest_dtype()[0])
     proc = VllmProcess(cmd, environment(kv_cache_gib=1), tmp_path_factory.mktemp("vllm") / "vllm.log").start()
     try:
         proc.wait_ready(600)
     except Exception:
         proc.stop()
         raise
-    proc.heads = heads
+    proc.spans = spans
     yield proc
     proc.stop()
 
@@ -52,7 +52,7 @@ def vllm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(vllm, embedded_runtime, tmp_path_factory):
     with make_client(tmp_path_factory.mktemp("sc"), runtime=embedded_runtime, engine="vllm", vllm_url=vllm.url,
-                     vllm_heads_dir=vllm.heads, vllm_head_pool_bytes=256 * 1024**2, seam_tokens=4) as c:
+                     seam_tokens=4) as c:
         deadline = time.monotonic() + 300
         while c.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, c.get("/readyz").json()
@@ -97,19 +97,23 @@ def direct(vllm, ids, salt=None, transfer=None, max_tokens=12) -> dict:
     return r.json()
 
 
-def test_vllm_loads_the_composed_head_and_computes_only_the_turn(client, vllm):
+def test_vllm_computes_the_seams_and_the_turn_and_loads_the_rest_of_the_head(client, vllm):
+    for skill in ("shipping", "returns"):  # each block compiled by vLLM (a prefill its connector saves)
+        compose(client, [skill], "Hello?")
     before = sources(vllm)
-    out = compose(client, ["shipping", "returns"], "Do you ship to Mexico?")
+    out = compose(client, ["shipping", "returns"], "Do you ship to Mexico?")  # a new order: one chain step, then it
     u = out["usage"]
     moved = delta(before, sources(vllm))
-    assert u["composed_tokens"] > 100 and u["recomputed_tokens"] < 30, u
+    assert u["composed_tokens"] > 100 and 0 < u["recomputed_tokens"] < 60, u
     assert u["composed_tokens"] + u["recomputed_tokens"] == u["prompt_tokens"]
-    assert moved == {"external_kv_transfer": u["composed_tokens"], "local_cache_hit": 0,
-                     "local_compute": u["recomputed_tokens"]}
-    assert out["text"].strip()
+    # vLLM computed exactly what skillcache reports as recomputed (the seam and the text before it in the step, the
+    # turn in the request); every other token of the step and the request was loaded or a prefix-cache hit
+    assert moved["local_compute"] == u["recomputed_tokens"], (moved, u)
+    assert moved["external_kv_transfer"] >= u["composed_tokens"], (moved, u)
+    assert out["text"].strip() and out["skills"][1]["seam"] == 4
 
 
-def test_a_repeat_hits_the_approximate_head_in_vllms_prefix_cache(client, vllm):
+def test_a_repeat_hits_the_composed_head_in_vllms_prefix_cache(client, vllm):
     compose(client, ["returns", "shipping"], "Is express shipping free?")
     before = sources(vllm)
     u = compose(client, ["returns", "shipping"], "How long do refunds take?")["usage"]
@@ -161,24 +165,55 @@ def test_refinement_moves_a_repeated_order_to_vllms_exact_prefix(client, vllm):
         runner.refine_after = 0
 
 
-def test_a_corrupt_head_is_computed_by_vllm_not_served(vllm, embedded_runtime):
-    rt = embedded_runtime
-    ids = prompt_ids(rt, [SKILL_A], "Hello?")
-    c = rt.config
-    lay = Layout(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, "float32")
-    w = HeadWriter(vllm.heads, 64 * 1024**2, rt.fingerprint, lay, name="pool-corrupt.bin")
-    try:
-        h = len(ids) - 5
-        garbage = [__import__("torch").ones(1, lay.n_kv_heads, h, lay.head_dim) for _ in range(lay.n_layers)]
-        ref = w.publish(ids[:h], garbage, garbage)
-        _Mapped(w.buf, ref.offset, lay, h).keys[3, 10, 0, 0] += 1.0  # one value changed after its CRC was taken
+def test_a_corrupt_or_missing_span_is_computed_by_vllm_not_served(vllm, embedded_runtime):
+    ids = prompt_ids(embedded_runtime, [SKILL_A], "Hello?")
+    h = len(ids) - 5
+    direct(vllm, ids[:h], salt="corrupt-save", transfer={"skillcache": {"load": [], "save": ["blk-corrupt", 0, h]}},
+           max_tokens=1)
+    (path,) = vllm.spans.glob("*/blk-corrupt.tp1r0.safetensors")
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF  # one byte of the values changed after its CRC was taken
+    path.write_bytes(bytes(raw))
+    expected = direct(vllm, ids, salt="corrupt-test-2")["choices"][0]["text"]
+    # corrupt: the connector's worker finds the CRC wrong, reports the blocks, vLLM recomputes them (its counters still
+    # say loaded: they count at scheduling) and the record is removed; then, like a record never saved, vLLM is not
+    # even offered it
+    out = direct(vllm, ids, salt="corrupt-test-1", transfer={"skillcache": {"load": [["blk-corrupt", 0, h, 0]]}})
+    assert out["choices"][0]["text"] == expected and not path.exists()
+    for name in ("blk-corrupt", "blk-never-saved"):
         before = sources(vllm)
-        out = direct(vllm, ids, salt="corrupt-test", transfer={"skillcache": ref.to_dict()})
+        out = direct(vllm, ids, salt=f"corrupt-test-{name}", transfer={"skillcache": {"load": [[name, 0, h, 0]]}})
         moved = delta(before, sources(vllm))
-        assert moved["external_kv_transfer"] == 0 and moved["local_compute"] == len(ids), moved
-        assert out["choices"][0]["text"] == direct(vllm, ids, salt="corrupt-test-2")["choices"][0]["text"]
-    finally:
-        w.close()
+        assert moved["external_kv_transfer"] == 0 and moved["local_compute"] == len(ids), (name, moved)
+        assert out["choices"][0]["text"] == expected
+
+
+def test_a_block_is_compiled_by_vllm_and_moved_by_the_connector_layer_zero_as_vllm_computes_it(vllm,
+                                                                                                embedded_runtime):
+    """Layer 0's keys depend only on the token and its position: a block saved at position 0 and moved to p by the
+    connector's rotation equals vLLM computing it at p, to the cache dtype's rounding (the RoPE invariant, through
+    vLLM's own save and the project's rotary code)."""
+    import torch
+
+    from service.runtime.adapters import rotator_for_config
+    from service.vllm.spans import SpanStore
+
+    block = embedded_runtime.prompts.encode_content(SKILL_B)
+    pre = embedded_runtime.prompts.encode_content("A different preamble of some length. " * 4)
+    direct(vllm, block, salt="rot-0", transfer={"skillcache": {"load": [], "save": ["blk-rot0", 0, len(block)]}},
+           max_tokens=1)
+    direct(vllm, pre + block, salt="rot-p", transfer={"skillcache": {"load": [], "save": [
+        "blk-rotp", len(pre), len(pre) + len(block)]}}, max_tokens=1)
+    (d,) = [p.parent for p in vllm.spans.glob("*/blk-rot0.tp1r0.safetensors")]
+    store = SpanStore(d.parent, d.name)
+    at0, atp = store.load("blk-rot0"), store.load("blk-rotp")
+    assert atp.pos == len(pre) and at0.ids == atp.ids == block
+    rot = rotator_for_config(embedded_runtime.config)
+    moved = rot.rotate(at0.k[0].transpose(0, 1)[None], len(pre), 0)[0].transpose(0, 1).float()  # [T, H, D]
+    scale = atp.k[0].float().abs().max()
+    assert (moved - atp.k[0].float()).abs().max() <= 0.01 * scale
+    assert (at0.k[0].float() - atp.k[0].float()).abs().max() > 0.1 * scale  # unrotated, they differ
+    assert torch.equal(at0.v[0], atp.v[0])  # values carry no position
 
 
 def test_a_session_keeps_its_conversation_in_vllms_prefix_cache(client, vllm):

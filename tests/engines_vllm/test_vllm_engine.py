@@ -4,15 +4,13 @@ test_vllm_e2e.py's): which head, which salt, what is counted, what is refused. T
 from __future__ import annotations
 
 import pytest
-import torch
 
 from appclient import make_client
 from service import metrics
 from service.compose.pipeline import ComposeParams, SkillRef
 from service.errors import EngineUnavailable
-from service.runtime.engine import run_steps
 from service.vllm.client import Chunk
-from service.vllm.heads import HeadReader, HeadRef
+from service.vllm.transfer import Transfer
 
 TEXT_A = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu " * 3
 TEXT_B = "one two three four five six seven eight nine ten eleven twelve " * 3
@@ -42,7 +40,7 @@ class FakeVllm:
     async def stream(self, ids, gen, cache_salt, transfer, usage):
         if not self.up:
             raise EngineUnavailable("vLLM at fake is not answering")
-        head = transfer["skillcache"]["n_tokens"] if transfer and self.loads else 0
+        head = n_head(transfer) if self.loads else 0
         if self.prefix_cache:
             head = max(head, self._hit(ids, cache_salt))
         self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "max_tokens": gen.max_tokens})
@@ -54,8 +52,9 @@ class FakeVllm:
         self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "choices": list(choices)})
         return choices[-1]  # not the first: the choice is vLLM's
 
-    async def prefill(self, ids, cache_salt) -> None:
-        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": None, "prefill": True})
+    async def prefill(self, ids, cache_salt, transfer=None, priority=0) -> None:
+        self.sent.append({"ids": list(ids), "salt": cache_salt, "prefill": True, "priority": priority,
+                          "transfer": {"skillcache": transfer.to_dict()} if transfer is not None else None})
 
     async def close(self) -> None:
         return None
@@ -64,14 +63,31 @@ class FakeVllm:
 @pytest.fixture
 def env(tmp_path):
     fake = FakeVllm()
-    with make_client(tmp_path, engine="vllm", vllm_heads_dir=tmp_path / "heads",
-                     vllm_head_pool_bytes=64 * 1024**2) as c:
+    with make_client(tmp_path, engine="vllm") as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         state.pipeline.runner.client = fake
         for name, text in (("a", TEXT_A), ("b", TEXT_B)):
             assert c.post("/v1/skills", json={"name": name, "text": text}).status_code in (200, 201)
-        yield c, fake, state.pipeline.runner, tmp_path / "heads"
+        yield c, fake, state.pipeline.runner, tmp_path
+
+
+def n_head(transfer: dict | None) -> int:
+    """Tokens the final request's transfer loads (0: none)."""
+    return Transfer.from_dict(transfer["skillcache"]).n_load if transfer else 0
+
+
+def sent_by(fake, kind: str) -> list[dict]:
+    """What the fake was sent, by kind: compile (a block saved from 0), step (a run saved after pieces), final."""
+    out = []
+    for x in fake.sent:
+        t = Transfer.from_dict(x["transfer"]["skillcache"]) if x["transfer"] else None
+        save = t.save if t is not None else None
+        k = "final" if not x.get("prefill") else "compile" if save is not None and save.name.startswith("blk-") \
+            else "step" if save is not None else "prefill"
+        if k == kind:
+            out.append(x)
+    return out
 
 
 def compose(c, skills, user="What now?", **kw):
@@ -84,37 +100,45 @@ def count(outcome: str) -> float:
     return metrics.VLLM_HEADS.labels(outcome)._value.get()
 
 
-def test_the_published_head_is_the_composed_cache_up_to_the_last_block(env):
-    c, fake, runner, heads = env
+def test_the_head_is_built_inside_vllm_blocks_compiled_seams_computed_in_steps_then_loaded(env):
+    c, fake, runner, tmp = env
     out = compose(c, ["a", "b"])
-    sent = fake.sent[-1]
-    ref = HeadRef.from_dict(sent["transfer"]["skillcache"])
-    assert sent["salt"].startswith("approx:default:")
-    assert out["usage"]["composed_tokens"] == ref.n_tokens and out["usage"]["prefix_tokens"] == 0
-    assert out["usage"]["recomputed_tokens"] == len(sent["ids"]) - ref.n_tokens > 0
-    assert out["text"] == "Hello"
-    # the same composition, here: its cache over the head's tokens is what the pool holds, layer by layer
+    final = fake.sent[-1]
+    assert final["salt"].startswith("approx:default:") and not final.get("prefill")
     pipeline = c.app.state.skillcache.pipeline
     prep = c.portal.call(pipeline.prepare, ComposeParams(skills=[SkillRef("a"), SkillRef("b")],
                                                           messages=[{"role": "user", "content": "What now?"}]))
-    pre = run_steps(runner.rt.prefill_steps(prep.plan, prep.blocks, mode="compose", seam_tokens=prep.seams,
-                                            defer_tail=True, tail_limit=1 << 30))
-    m = HeadReader(heads).open(ref, sent["ids"], runner.layout)
-    for i, layer in enumerate(pre.cache.layers):
-        torch.testing.assert_close(m.keys[i], layer.keys[0, :, :ref.n_tokens].transpose(0, 1), rtol=0, atol=0)
-        torch.testing.assert_close(m.values[i], layer.values[0, :, :ref.n_tokens].transpose(0, 1), rtol=0, atol=0)
+    chain, seams, blocks = runner.plan(prep)
+    anchor = list(runner.rt.anchor)
+    # each block compiled once by vLLM, in its canonical context (after the anchor), its K/V saved whole
+    compiles = sent_by(fake, "compile")
+    assert sorted(tuple(x["ids"]) for x in compiles) == sorted(tuple(anchor[:b] + ids) for _, ids, b in blocks)
+    for x in compiles:
+        assert x["priority"] == 0 and x["transfer"]["skillcache"]["save"][1:] == [0, len(x["ids"])]
+    # the second block's seam is computed by vLLM against the copied first block: one step, saved, then loaded
+    (step,) = sent_by(fake, "step")
+    assert seams == {0: 0, 1: prep.seams[1]} and len(chain.steps) == 1
+    assert step["salt"] == final["salt"] and step["transfer"] == {"skillcache": chain.steps[0][1].to_dict()}
+    assert step["ids"] == final["ids"][:chain.steps[0][0]]
+    assert final["transfer"] == {"skillcache": chain.final.to_dict()} and n_head(final["transfer"]) == chain.n_head
+    u = out["usage"]
+    assert u["composed_tokens"] == chain.n_copied and u["prefix_tokens"] == 0
+    assert u["recomputed_tokens"] == len(final["ids"]) - chain.n_copied > 0
+    assert out["text"] == "Hello" and out["skills"][1]["seam"] == prep.seams[1]
+    assert not list(tmp.rglob("pool-*"))  # no head pool
 
 
-def test_a_repeated_composition_keeps_its_salt_and_its_head(env):
+def test_a_repeated_composition_keeps_its_salt_and_runs_no_compile_and_no_step(env):
     c, fake, _, _ = env
     compose(c, ["a", "b"], "first turn")
-    reused = count("reused")
+    n = len(fake.sent)
     compose(c, ["a", "b"], "another, longer turn than the first one")
-    first, second = fake.sent[-2], fake.sent[-1]
+    first, second = fake.sent[n - 1], fake.sent[-1]
+    assert len(fake.sent) == n + 1  # the final request alone
     assert first["salt"] == second["salt"] and first["transfer"] == second["transfer"]
-    assert count("reused") == reused + 1
     compose(c, ["b", "a"], "first turn")
     assert fake.sent[-1]["salt"] != first["salt"]  # another order: another composition, another salt
+    assert len(sent_by(fake, "compile")) == 2  # and no new compile: both blocks are saved
 
 
 def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
@@ -130,17 +154,28 @@ def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
     assert approx_salt("other", "d") != approx_salt("default", "d") and exact_salt("other") != exact_salt("default")
 
 
-def test_refinement_prefills_the_exact_head_on_vllm_then_sends_no_head(env):
+def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env):
     c, fake, runner, _ = env
     runner.refine_after = 1
     compose(c, ["b", "a"])
-    composed, prefill = fake.sent  # after the response: vLLM prefills the head's ids under the exact salt
-    assert prefill.get("prefill") and prefill["salt"] == "exact:default"
+    composed, prefill = fake.sent[-2:]  # after the response: vLLM prefills the head's ids under the exact salt
+    assert prefill.get("prefill") and prefill["salt"] == "exact:default" and prefill["transfer"] is None
+    assert prefill["priority"] > 0  # behind live requests (vLLM runs --scheduling-policy priority)
     assert composed["ids"][:len(prefill["ids"])] == prefill["ids"]
-    assert len(prefill["ids"]) == composed["transfer"]["skillcache"]["n_tokens"]
+    assert len(prefill["ids"]) == n_head(composed["transfer"])
     out = compose(c, ["b", "a"], "a new turn")
     assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
     assert out["usage"]["prefix_tokens"] == 0  # the fake's prefix cache is empty: what vLLM reports is what counts
+
+
+def test_refinement_waits_for_an_order_seen_often_by_default(env):
+    c, fake, runner, _ = env
+    assert runner.refine_after == 8
+    for i in range(7):
+        compose(c, ["a", "b"], f"turn {i}")
+    assert not [x for x in fake.sent if x["salt"] == "exact:default"]
+    compose(c, ["a", "b"], "turn 7")
+    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["priority"] > 0
 
 
 def test_a_head_vllm_did_not_load_is_counted_and_reported_as_computed(env):
@@ -181,12 +216,12 @@ def test_a_session_sends_each_turn_whole_under_its_heads_salt(env):
     sid, created = r.json()["id"], fake.sent[-1]
     assert created["max_tokens"] == 1 and created["transfer"] is not None  # turn 0: the head prefilled on vLLM
     assert created["salt"].startswith("approx:default:")
-    assert r.json()["usage"]["reused_tokens"] == created["transfer"]["skillcache"]["n_tokens"]
+    assert 0 < r.json()["usage"]["reused_tokens"] <= n_head(created["transfer"])
     first = turn(c, sid, "What now?")
     t1 = fake.sent[-1]
     assert t1["salt"] == created["salt"] and t1["ids"][: len(created["ids"])] == created["ids"]
-    assert t1["transfer"]["skillcache"] == created["transfer"]["skillcache"]  # the same head: published once
-    assert first["text"] == "Hello" and first["usage"]["reused_tokens"] >= created["transfer"]["skillcache"]["n_tokens"]
+    assert t1["transfer"]["skillcache"] == created["transfer"]["skillcache"]  # the same head, built once
+    assert first["text"] == "Hello" and first["usage"]["reused_tokens"] >= r.json()["usage"]["reused_tokens"]
     second = turn(c, sid, "And then?")
     t2 = fake.sent[-1]
     assert t2["salt"] == t1["salt"] and t2["ids"][: len(t1["ids"])] == t1["ids"]  # the conversation, whole
@@ -242,14 +277,14 @@ def test_tools_and_memories_go_to_vllm_inside_the_head(env):
     out = compose(c, ["a"], "call it again", tools=[tool("lookup")])
     sent = fake.sent[-1]
     assert out["tools"]["path"] == "compose" and sent["transfer"] is not None  # the tools block is in the head
-    assert out["usage"]["composed_tokens"] == sent["transfer"]["skillcache"]["n_tokens"]
+    assert 0 < out["usage"]["composed_tokens"] <= n_head(sent["transfer"])
     assert c.post("/v1/memories", json={"name": "m", "text": "- plan: gold\n- city: Oslo"}).status_code in (200, 201)
     compose(c, ["a"], "where do I live?")
-    plain = fake.sent[-1]["transfer"]["skillcache"]["n_tokens"]
+    plain = n_head(fake.sent[-1]["transfer"])
     out = compose(c, ["a"], "where do I live?", memory="m")
-    with_memory = fake.sent[-1]["transfer"]["skillcache"]["n_tokens"]
+    with_memory = n_head(fake.sent[-1]["transfer"])
     assert with_memory > plain and out["memory"] is not None  # the memory's blocks are composed into the head
-    assert out["usage"]["recomputed_tokens"] == out["usage"]["prompt_tokens"] - with_memory
+    assert out["usage"]["recomputed_tokens"] == out["usage"]["prompt_tokens"] - out["usage"]["composed_tokens"]
 
 
 def test_vllms_prefix_cache_on_a_prompt_with_no_head_is_reported_as_auto_like_the_embedded_engines(env):
@@ -291,8 +326,7 @@ def test_sections_stay_text_on_vllm_where_its_prefix_cache_serves_the_prompt_exa
     from tests.compose.test_sections import section
 
     fake = FakeVllm()
-    with make_client(tmp_path, engine="vllm", vllm_heads_dir=tmp_path / "heads", auto_reuse=True,
-                     vllm_head_pool_bytes=64 * 1024**2) as c:
+    with make_client(tmp_path, engine="vllm", auto_reuse=True) as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         state.pipeline.runner.client = fake
