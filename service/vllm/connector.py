@@ -283,7 +283,10 @@ class SkillcacheConnector(KVConnectorBase_V1):
             job = meta.saves[j]
             k = torch.stack([t for _, t in sorted(ks, key=lambda x: x[0])])  # [L, T, H, D]
             v = torch.stack([t for _, t in sorted(vs, key=lambda x: x[0])])
-            self.store.save(job.name, job.lo, job.ids, k, v)
+            try:
+                self.store.save(job.name, job.lo, job.ids, k, v)
+            except (SpanError, OSError) as e:  # a refused name, a full disk: nothing saved, vLLM goes on
+                log.warning("skillcache span %r not saved: %s", job.name, e)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -65,7 +65,7 @@ class Transfer:
             load = tuple(Piece(str(n), int(lo), int(hi), int(at)) for n, lo, hi, at in d.get("load") or [])
             s = d.get("save")
             save = Save(str(s[0]), int(s[1]), int(s[2])) if s else None
-        except (AssertionError, TypeError, ValueError) as e:
+        except (AssertionError, TypeError, ValueError, LookupError) as e:  # LookupError: a save too short, or a dict
             raise TransferError(f"bad skillcache transfer {d!r}") from e
         at = 0
         for p in load:

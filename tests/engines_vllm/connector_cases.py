@@ -1,6 +1,7 @@
-"""The connector's own logic, run inside vLLM's venv (tests/vllm/test_connector.py runs this file there):
-what it answers the scheduler, which slots it writes, and what it refuses. vLLM's objects are stand-ins with the
-attributes the connector reads; the real path (vLLM's CPU cache write) is tests/vllm/test_vllm_e2e.py's."""
+"""The connector's own logic, run inside vLLM's venv (tests/engines_vllm/test_connector.py runs this file there):
+what it answers the scheduler, which slots it loads and saves, how it rotates, what it refuses, and reading K/V back
+out of a paged cache (service/vllm/paged.py). vLLM's objects are stand-ins with the attributes the connector reads;
+the cache writes are a plain one and the CPU backend's own (vllm._custom_ops.cpu_attn_reshape_and_cache)."""
 
 from __future__ import annotations
 
@@ -8,110 +9,317 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import vllm.forward_context
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from service.vllm.connector import SkillcacheConnector
-from service.vllm.heads import HeadReader, HeadWriter, Layout, _Mapped, record_bytes
+from service.vllm.paged import LayoutError, learn
+from service.vllm.spans import SpanStore
+from service.vllm.transfer import Piece, Save, Transfer
 
-LAYOUT = Layout(n_layers=2, n_kv_heads=2, head_dim=4, dtype="float32")
-BS = 16  # vLLM's block size here
+BS, L, H, D = 16, 2, 2, 32
+P = list(range(100, 160))  # the prompt: 60 tokens
+TWO = Transfer((Piece("blk-a", 0, 20, 0), Piece("blk-b", 4, 24, 20)))  # blk-b's tokens move by 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 
 
-def kv(n: int):
-    g = torch.Generator().manual_seed(n)
-    return ([torch.randn(1, 2, n, 4, generator=g) for _ in range(2)],
-            [torch.randn(1, 2, n, 4, generator=g) for _ in range(2)])
+def kv(t: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, t, H, D, generator=g).to(dtype), torch.randn(L, t, H, D, generator=g).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def rotator():
+    from transformers import LlamaConfig
+
+    from service.runtime.adapters import rotator_for_config
+
+    return rotator_for_config(LlamaConfig(vocab_size=300, hidden_size=H * D, intermediate_size=64, num_hidden_layers=L,
+                                          num_attention_heads=H, num_key_value_heads=H, head_dim=D))
+
+
+def connector(tmp_path, bs: int = BS, rot=None) -> SkillcacheConnector:
+    c = SkillcacheConnector.__new__(SkillcacheConnector)
+    c._setup(SpanStore(tmp_path, "m"), bs, lambda: rot)
+    return c
 
 
 @pytest.fixture
-def setup(tmp_path):
-    w = HeadWriter(tmp_path, 4 * record_bytes(LAYOUT, 64), "fp", LAYOUT, name="pool-t.bin")
-    c = SkillcacheConnector.__new__(SkillcacheConnector)
-    c._setup(HeadReader(tmp_path), BS, LAYOUT)
-    yield w, c
-    w.close()
+def records(tmp_path):
+    s = SpanStore(tmp_path, "m")
+    a, b = kv(20, 1), kv(20, 2)
+    s.save("blk-a", 0, P[:20], *a)
+    s.save("blk-b", 4, P[20:40], *b)
+    return s, a, b
 
 
-def request(rid: str, ids: list[int], ref=None):
+def request(rid: str, ids: list[int], t: Transfer | None = None, params=None):
     return SimpleNamespace(request_id=rid, prompt_token_ids=ids,
-                           kv_transfer_params={"skillcache": ref.to_dict()} if ref else None)
+                           kv_transfer_params={"skillcache": t.to_dict()} if t is not None else params)
 
 
-def schedule(c, req, blocks: list[int]):
-    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(blocks,))],
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))
+def step(c, new=(), cached=(), resumed=()):
+    """One scheduler step: new = [(req, blocks, computed, scheduled)], cached = [(req, new_blocks, computed, sched)]."""
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,), num_computed_tokens=n)
+                            for r, b, n, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, *_ in cached], resumed_req_ids=set(resumed),
+                                              new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
+                                              num_computed_tokens=[n for _, _, n, _ in cached]),
+        num_scheduled_tokens={r.request_id: s for r, _, _, s in [*new, *cached]})
     return c.build_connector_meta(out)
 
 
-def test_answers_the_head_beyond_the_local_hit_and_maps_its_slots(setup):
-    w, c = setup
-    ids = list(range(100, 150))  # a 40-token head, then 10 tokens for vLLM
-    ref = w.publish(ids[:40], *kv(40))
-    req = request("r1", ids, ref)
-    assert c.get_num_new_matched_tokens(req, 0) == (40, False)
-    assert c.get_num_new_matched_tokens(req, 32) == (8, False)  # vLLM's prefix cache holds two blocks already
-    c.update_state_after_alloc(req, None, 8)
-    meta = schedule(c, req, [7, 3, 9, 4])
+def slots(blocks: list[int], lo: int, hi: int, bs: int = BS) -> list[int]:
+    return [blocks[i // bs] * bs + i % bs for i in range(lo, hi)]
+
+
+# ---- scheduler side ---------------------------------------------------------------------------
+
+
+def test_the_pieces_tokens_beyond_the_computed_ones_are_answered(tmp_path, records):
+    c, r = connector(tmp_path), request("r", P, TWO)
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)
+    assert c.get_num_new_matched_tokens(r, 16) == (24, False)  # vLLM's prefix cache holds one block already
+    assert c.get_num_new_matched_tokens(r, 40) == (0, False)
+    assert c.get_num_new_matched_tokens(r, 48) == (0, False)
+    assert c.get_num_new_matched_tokens(request("w", P[:40], TWO), 0) == (39, False)  # never the whole prompt
+    assert c.get_num_new_matched_tokens(request("x", P[:41], TWO), 0) == (40, False)
+
+
+@pytest.mark.parametrize("case, n", [("first missing", 0), ("second missing", 20), ("first other ids", 0),
+                                     ("second other ids", 20), ("second cut", 20), ("beyond the record", 20)])
+def test_the_answer_stops_at_the_first_piece_that_does_not_check_out(tmp_path, records, case, n):
+    s, *_ = records
+    ids, t = list(P), TWO
+    if case.endswith("missing"):
+        s.path("blk-a" if case.startswith("first") else "blk-b").unlink()
+    elif case.endswith("other ids"):
+        ids[3 if case.startswith("first") else 30] = 7
+    elif case == "second cut":
+        s.path("blk-b").write_bytes(s.path("blk-b").read_bytes()[:-20])
+    else:
+        t = Transfer((TWO.load[0], Piece("blk-b", 4, 30, 20)))  # the record holds positions 4..23 only
+    assert connector(tmp_path).get_num_new_matched_tokens(request("r", ids, t), 0) == (n, False)
+
+
+@pytest.mark.parametrize("params", [None, {}, {"other": 1}, {"skillcache": None}, {"skillcache": "garbage"},
+                                    {"skillcache": {"load": [["blk-a", 0, 20, 3]]}},
+                                    {"skillcache": {"load": [["blk-a", 0, 10, 0], ["blk-b", 4, 24, 20]]}},
+                                    {"skillcache": {"load": [["blk-a", 0, 20]]}}, {"skillcache": {"save": ["s", 1]}},
+                                    {"skillcache": {"load": 5}}, "not a dict"])
+def test_no_or_bad_transfer_params_are_no_match_and_nothing_to_do(tmp_path, records, params):
+    c, r = connector(tmp_path), request("r", P, params=params)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    c.update_state_after_alloc(r, None, 0)
+    meta = step(c, new=[(r, [1, 2, 3, 4], 0, 60)])
+    assert meta.loads == [] and meta.saves == []
+
+
+# ---- build_connector_meta ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("computed, pieces, block_ids", [
+    (16, [Piece("blk-a", 16, 20, 16), Piece("blk-b", 4, 24, 20)], [3, 9]),
+    (32, [Piece("blk-b", 16, 24, 32)], [9]),
+])
+def test_a_load_maps_its_tokens_into_the_requests_blocks(tmp_path, records, computed, pieces, block_ids):
+    c, r = connector(tmp_path), request("r", P, TWO)
+    c.get_num_new_matched_tokens(r, computed)
+    c.update_state_after_alloc(r, None, 40 - computed)
+    meta = step(c, new=[(r, [7, 3, 9, 4], 40, 20)])
     (load,) = meta.loads
-    assert load.start == 32 and load.slots == [9 * BS + t for t in range(8)]  # tokens 32..39 sit in the third block
-    assert meta.block_ids[0] == [9]
+    assert load.pieces == pieces and load.block_ids == block_ids
+    assert load.slots == slots([7, 3, 9, 4], computed, 40)
+    assert step(c, cached=[(r, None, 60, 1)]).loads == []  # loaded once
+    c.get_num_new_matched_tokens(r2 := request("r2", P, TWO), 0)
+    c.update_state_after_alloc(r2, None, 0)  # vLLM took none of them
+    assert step(c, new=[(r2, [1, 2, 5, 6], 0, 60)]).loads == []
 
 
-@pytest.mark.parametrize("case", ["no params", "head covers the prompt", "other prompt", "overwritten", "nothing new"])
-def test_anything_that_does_not_check_out_is_no_match(setup, case):
-    w, c = setup
-    ids = list(range(50))
-    ref = w.publish(ids[:40], *kv(40))
-    req = {"no params": request("r", ids),
-           "head covers the prompt": request("r", ids[:40], ref),
-           "other prompt": request("r", [9] + ids[1:], ref),
-           "overwritten": request("r", ids, type(ref)(ref.pool, ref.offset, ref.gen + 1, ref.n_tokens)),
-           "nothing new": request("r", ids, ref)}[case]
-    assert c.get_num_new_matched_tokens(req, 48 if case == "nothing new" else 0) == (0, False)
-    assert schedule(c, req, [1, 2, 3, 4]).loads == []
+def test_a_save_is_emitted_in_the_step_that_computes_its_last_token(tmp_path):
+    c, r = connector(tmp_path), request("r", P[:40], Transfer(save=Save("s", 10, 40)))
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert step(c, new=[(r, [2, 5], 0, 20)]).saves == []  # a chunked prefill: tokens 0..19 this step
+    (job,) = step(c, cached=[(r, [8], 20, 20)]).saves  # the second chunk brings block 8 and completes the span
+    assert (job.name, job.lo, job.ids) == ("s", 10, P[10:40])
+    assert job.slots == slots([2, 5, 8], 10, 40)
+    assert step(c, cached=[(r, None, 40, 1)]).saves == []  # saved once
 
 
-class Layer:
-    """An attention layer as start_load_kv sees it: its cache and its backend's cache write."""
+def test_a_resumed_request_saves_from_its_new_blocks(tmp_path):
+    c, r = connector(tmp_path), request("r", P[:40], Transfer(save=Save("s", 0, 40)))
+    c.get_num_new_matched_tokens(r, 0)
+    assert step(c, new=[(r, [2, 5], 0, 20)]).saves == []
+    (job,) = step(c, cached=[(r, [6, 1, 4], 20, 20)], resumed=["r"]).saves  # preempted: all its blocks anew
+    assert job.slots == slots([6, 1, 4], 0, 40)
 
-    def __init__(self) -> None:
-        self.kv_cache = torch.zeros(8, BS, 2, 4)  # [blocks, block_size, H_kv, D]: a plain layout for the check
-        self.impl = self
+
+def test_request_finished_clears_the_requests_load_and_save(tmp_path, records):
+    c, r = connector(tmp_path), request("r", P, Transfer(TWO.load, Save("s", 40, 50)))
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)
+    c.update_state_after_alloc(r, None, 40)
+    assert c.request_finished(r, [7, 3, 9, 4]) == (False, None)
+    meta = step(c, new=[(r, [7, 3, 9, 4], 40, 20)])
+    assert meta.loads == [] and meta.saves == []
+
+
+# ---- worker side --------------------------------------------------------------------------------
+
+
+class PlainLayer:
+    """An attention layer as the worker sees it; its backend's write is a plain [blocks, k|v, bs, H, D] layout."""
+
+    def __init__(self, blocks: int = 10, bs: int = BS) -> None:
+        self.kv_cache, self.impl, self.num_kv_heads, self.head_size = torch.zeros(blocks, 2, bs, H, D), self, H, D
         self.written: list = []
 
-    def do_kv_cache_update(self, layer, k, v, cache, slots) -> None:  # [T, H_kv, D] x2, [T]
-        self.written.append((k.clone(), v.clone(), slots.tolist()))
+    def do_kv_cache_update(self, layer, k, v, cache, slot_mapping) -> None:  # [T, H, D] x2, [T]
+        self.written.append((k.clone(), v.clone(), slot_mapping.tolist()))
+        bs = cache.shape[2]
+        cache[slot_mapping // bs, 0, slot_mapping % bs] = k
+        cache[slot_mapping // bs, 1, slot_mapping % bs] = v
 
 
-def test_the_worker_writes_each_layer_with_the_backends_own_write(setup):
-    w, c = setup
-    ids = list(range(60))
-    keys, values = kv(40)
-    ref = w.publish(ids[:40], keys, values)
-    req = request("r", ids, ref)
-    c.get_num_new_matched_tokens(req, 16)
-    c.update_state_after_alloc(req, None, 24)
-    meta = schedule(c, req, [5, 6, 2, 1])
-    layers = {f"model.layers.{i}.self_attn.attn": Layer() for i in range(2)}
-    c.bind_connector_metadata(meta)
+def test_the_load_writes_each_layer_with_keys_re_rotated_by_the_pieces_move(tmp_path, records, rotator):
+    _, (ka, va), (kb, vb) = records
+    c, r = connector(tmp_path, rot=rotator), request("r", P, TWO)
+    layers = {NAMES[1]: PlainLayer(), NAMES[0]: PlainLayer()}  # the layer index is read from the name
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)
+    c.update_state_after_alloc(r, None, 40)
+    c.bind_connector_metadata(step(c, new=[(r, [7, 3, 9, 4], 40, 20)]))
     c.start_load_kv(SimpleNamespace(no_compile_layers=layers))
-    for i, layer in enumerate(layers.values()):
-        (k, v, slots), = layer.written
-        assert torch.equal(k, keys[i][0, :, 16:40].transpose(0, 1))  # [T, H_kv, D]
-        assert torch.equal(v, values[i][0, :, 16:40].transpose(0, 1))
-        assert slots == [6 * BS + t for t in range(16)] + [2 * BS + t for t in range(8)]
+    for name, layer in layers.items():
+        li = int(name.split(".")[2])
+        (k0, v0, s0), (k1, v1, s1) = layer.written
+        assert torch.equal(k0, ka[li]) and torch.equal(v0, va[li]) and s0 == slots([7, 3, 9, 4], 0, 20)
+        moved = rotator.rotate(kb[li].transpose(0, 1)[None], 16, li)[0].transpose(0, 1)
+        assert torch.equal(k1, moved) and not torch.allclose(k1, kb[li], atol=1e-3)
+        assert torch.equal(v1, vb[li]) and s1 == slots([7, 3, 9, 4], 20, 40)
     assert c.get_block_ids_with_load_errors() == set()
 
 
-def test_a_record_overwritten_before_the_copy_is_reported_as_load_errors(setup):
-    w, c = setup
-    ids = list(range(60))
-    ref = w.publish(ids[:40], *kv(40))
-    req = request("r", ids, ref)
-    c.get_num_new_matched_tokens(req, 0)
-    c.update_state_after_alloc(req, None, 40)
-    meta = schedule(c, req, [5, 6, 2, 1])
-    w.buf[ref.offset:ref.offset + 8] = b"garbage!"  # another head landed here between the check and the load
+@pytest.mark.parametrize("damage", ["flip a byte", "cut", "other tensors"])
+def test_a_record_that_fails_its_check_at_load_reports_the_loads_blocks(tmp_path, records, damage):
+    s, _, b = records
+    c, r = connector(tmp_path), request("r", P, TWO)
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)  # checked here, damaged before the worker reads it
+    path, raw = s.path("blk-b"), bytearray(s.path("blk-b").read_bytes())
+    if damage == "flip a byte":
+        raw[-5] ^= 0x10
+        path.write_bytes(bytes(raw))
+    elif damage == "cut":
+        path.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        save_file({"k": b[0] + 1, "v": b[1]}, str(path), metadata=meta)
+    c.update_state_after_alloc(r, None, 40)
+    c.bind_connector_metadata(step(c, new=[(r, [7, 3, 9, 4], 40, 20)]))
+    c.start_load_kv(SimpleNamespace(no_compile_layers={NAMES[0]: PlainLayer()}))
+    assert c.get_block_ids_with_load_errors() == {7, 3, 9}  # vLLM recomputes them
+    assert c.get_block_ids_with_load_errors() == set()
+
+
+# ---- save round trip and reading the paged cache back ----------------------------------------------
+
+ISAS = [(isa, dt) for isa in ("vec", "vec16", "amx") for dt in (torch.float32, torch.bfloat16)]
+
+
+class CpuLayer:
+    """A layer on vLLM's CPU backend: its cache [blocks, H, bs, 2D] and the backend's own do_kv_cache_update."""
+
+    def __init__(self, isa: str, dtype, blocks: int = 6, bs: int = 32) -> None:
+        self.kv_cache = torch.zeros(blocks, H, bs, 2 * D, dtype=dtype)
+        self.isa, self._k_scale_float, self._v_scale_float, self.num_kv_heads, self.head_size = isa, 1.0, 1.0, H, D
+        self.impl = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)
+        self.impl.attn_type, self.impl.kv_cache_dtype = AttentionType.DECODER, "auto"
+
+
+def save_round_trip(tmp_path, monkeypatch, layers, bs: int, blocks: list[int], dtype=torch.float32):
+    c, r = connector(tmp_path, bs=bs), request("r", P, Transfer(save=Save("s", 8, 60)))
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    meta = step(c, new=[(r, blocks, 0, 60)])
+    k, v = kv(60, 7, dtype)
+    for li, name in enumerate(NAMES):  # what vLLM's forward writes, layer by layer
+        layer = layers[name]
+        layer.impl.do_kv_cache_update(layer, k[li], v[li], layer.kv_cache, torch.tensor(slots(blocks, 0, 60, bs)))
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(no_compile_layers=layers))
     c.bind_connector_metadata(meta)
-    c.start_load_kv(SimpleNamespace(no_compile_layers={"model.layers.0.self_attn.attn": Layer()}))
-    assert c.get_block_ids_with_load_errors() == {5, 6, 2}  # vLLM recomputes these blocks
-    assert _Mapped  # the format module is the one both sides use
+    for name in reversed(NAMES):
+        c.save_kv_layer(name, layers[name].kv_cache, None)
+    c.wait_for_save()
+    span = SpanStore(tmp_path, "m").load("s")
+    assert (span.pos, span.ids) == (8, P[8:60]) and span.k.dtype == dtype
+    assert torch.equal(span.k, k[:, 8:]) and torch.equal(span.v, v[:, 8:])
+
+
+def test_a_save_reads_its_slots_back_from_a_plain_layout(tmp_path, monkeypatch):
+    save_round_trip(tmp_path, monkeypatch, {n: PlainLayer() for n in NAMES}, BS, [3, 1, 6, 8])
+
+
+def test_a_save_under_a_refused_name_is_skipped_and_the_steps_other_saves_are_written(tmp_path, monkeypatch):
+    c, layers = connector(tmp_path), {n: PlainLayer() for n in NAMES}
+    bad, good = (request(r, P, Transfer(save=Save(name, 0, 16))) for r, name in (("a", "../evil"), ("b", "ok")))
+    for r in (bad, good):
+        c.get_num_new_matched_tokens(r, 0)
+    meta = step(c, new=[(bad, [1], 0, 16), (good, [2], 0, 16)])
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(no_compile_layers=layers))
+    c.bind_connector_metadata(meta)
+    for name in NAMES:
+        c.save_kv_layer(name, layers[name].kv_cache, None)
+    c.wait_for_save()  # does not raise: a request's parameters cannot stop vLLM's worker
+    assert SpanStore(tmp_path, "m").load("ok").ids == P[:16] and not (tmp_path / "evil.tp1r0.safetensors").exists()
+
+
+@pytest.mark.parametrize("isa, dtype", ISAS)
+def test_a_save_reads_its_slots_back_from_the_cpu_backends_cache(tmp_path, monkeypatch, isa, dtype):
+    save_round_trip(tmp_path, monkeypatch, {n: CpuLayer(isa, dtype) for n in NAMES}, 32, [4, 1], dtype)
+
+
+def check_gather(cache, index, write, bs: int, dtype) -> None:
+    n = cache.shape[index.block_dim] * bs
+    g = torch.Generator().manual_seed(3)
+    order = torch.randperm(n, generator=g)
+    k, v = torch.randn(n, H, D, generator=g).to(dtype), torch.randn(n, H, D, generator=g).to(dtype)
+    write(k, v, cache, order)  # token i of k/v into slot order[i]
+    some = torch.randperm(n, generator=g)[: n // 2]
+    gk, gv = index.gather(cache, order[some])
+    assert torch.equal(gk, k[some]) and torch.equal(gv, v[some])
+
+
+@pytest.mark.parametrize("isa, dtype", ISAS)
+def test_the_learned_layout_is_exact_for_the_cpu_write(isa, dtype):
+    layer = CpuLayer(isa, dtype, blocks=5)
+    write = lambda k, v, c, s: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+    index = learn(layer.kv_cache, 5, 32, H, D, write)
+    assert index.block_dim == 0
+    check_gather(layer.kv_cache, index, write, 32, dtype)
+
+
+def flash_write(k, v, cache, s):  # [2, blocks, bs, H, D], as CUDA's FlashAttention keeps it
+    cache[0].view(-1, H, D)[s] = k
+    cache[1].view(-1, H, D)[s] = v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_learned_layout_is_exact_for_a_flash_attention_like_layout(dtype):
+    cache = torch.zeros(2, 7, BS, H, D, dtype=dtype)
+    index = learn(cache, 7, BS, H, D, flash_write)
+    assert index.block_dim == 1
+    check_gather(cache, index, flash_write, BS, dtype)
+
+
+drop_half = lambda k, v, c, s: flash_write(k[:len(s) // 2], v[:len(s) // 2], c, s[:len(s) // 2])  # noqa: E731
+one_head = lambda k, v, c, s: flash_write(k[:, :1].expand_as(k), v[:, :1].expand_as(v), c, s)  # noqa: E731
+
+
+@pytest.mark.parametrize("dtype, write", [(torch.float8_e4m3fn, flash_write), (torch.int8, flash_write),
+                                          (torch.float32, drop_half), (torch.float32, one_head)])  # one_head: collide
+def test_a_layout_that_cannot_be_learned_is_a_layout_error(dtype, write):
+    with pytest.raises(LayoutError):
+        learn(torch.zeros(2, 7, BS, H, D, dtype=dtype), 7, BS, H, D, write)
