@@ -9,6 +9,7 @@ Without either, the rendering tests skip (with that reason) and only the text-le
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -313,3 +314,75 @@ def dockerignore_excludes(rules, path: str) -> bool:
         if any(regex.match(p) for p in parents):
             excluded = not exclusion
     return excluded
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What vLLM imports from this repository: the connector and every service module it reaches
+
+# Third-party packages a vLLM image has: vLLM itself and what it requires (torch, transformers, safetensors,
+# pydantic; fastapi[standard] brings pydantic-settings). The connector's closure may import nothing else.
+VLLM_IMAGE_PACKAGES = {"vllm", "torch", "transformers", "safetensors", "pydantic", "pydantic_settings"}
+
+
+def _module_file(module: str) -> Path | None:
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports(tree: ast.Module, in_functions: bool) -> list[tuple[str, list[str]]]:
+    """(module, names) of the import statements that run: module level (not under `if TYPE_CHECKING`), and inside
+    functions too where `in_functions`."""
+    found: list[tuple[str, list[str]]] = []
+
+    def visit(nodes, top: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse, top)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if in_functions:
+                    visit(node.body, False)
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, top)
+            else:
+                for field_name in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, field_name, []) or [], top)
+
+    visit(tree.body, True)
+    return found
+
+
+def connector_closure(root: str = "service.vllm.connector") -> tuple[set[str], set[str]]:
+    """(service modules, third-party top-level packages) that importing the connector and calling its functions
+    reaches: every import of the connector module (its functions' too: it builds the rotator lazily), and the
+    module-level imports of each service module (with its parent packages) from there. A static walk: no torch or
+    vllm needed."""
+    modules: set[str] = set()
+    external: set[str] = set()
+    todo = [root]
+    while todo:
+        module = todo.pop()
+        if module in modules:
+            continue
+        path = _module_file(module)
+        assert path is not None, f"{module} is imported but not in the repository"
+        modules.add(module)
+        parts = module.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parent packages run first
+        for name, names in _imports(ast.parse(path.read_text()), in_functions=module == root):
+            top = name.split(".")[0]
+            if top == "__future__":
+                continue
+            if top != "service":
+                if top not in sys.stdlib_module_names:
+                    external.add(top)
+                continue
+            todo.append(name)
+            todo.extend(f"{name}.{n}" for n in names if _module_file(f"{name}.{n}") is not None)  # submodules
+    return modules, external

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from deploy_helpers import REPO, load_yaml, parse_duration
-from deploy_helpers import missing
+from deploy_helpers import VLLM_IMAGE_PACKAGES, connector_closure, missing
 
 BASE = load_yaml(REPO / "docker-compose.yml")
 GPU = load_yaml(REPO / "docker-compose.gpu.yml")
@@ -188,16 +188,21 @@ def _connector_config(args: list[str]) -> dict:
 
 
 def test_vllm_override():
-    from service.vllm.launch import SERVED_NAME, connector_config
+    from service.vllm.launch import SERVED_NAME, command, connector_config
 
     assert set(VLLM["services"]) == {"skillcache", "vllm"}
     vllm = VLLM["services"]["vllm"]
     assert re.fullmatch(r"vllm/vllm-openai:\$\{VLLM_IMAGE_TAG:-v\d+\.\d+\.\d+\}", vllm["image"]), vllm["image"]
     assert "profiles" not in vllm, "the override is the switch: a profile too would allow skillcache without vLLM"
-    # the command line of service/vllm/launch.py: the connector, the served name, the dtype skillcache publishes in
+    # the command line of service/vllm/launch.py: the connector (its spans on the spans volume), priority
+    # scheduling, the served name
     args = [str(a) for a in vllm["command"]]
-    assert _connector_config(args) == json.loads(connector_config(Path("/heads")))
+    assert _connector_config(args) == json.loads(connector_config(Path("/spans")))
     assert _connector_config(args)["kv_connector_module_path"] == "service.vllm.connector"
+    assert _connector_config(args)["kv_role"] == "kv_both"
+    assert _connector_config(args)["kv_load_failure_policy"] == "recompute"
+    launch = command(Path("/m"), 8000, Path("/spans"))
+    assert args[args.index("--scheduling-policy") + 1] == launch[launch.index("--scheduling-policy") + 1]
     assert args[args.index("--served-model-name") + 1] == SERVED_NAME
     assert "--enable-prompt-tokens-details" in args
     assert args[args.index("--port") + 1] == "8000"
@@ -206,21 +211,21 @@ def test_vllm_override():
     assert '"$$@"' in entry[2], "the command list reaches vLLM as its arguments"
     assert "/data/models/*/config.json" in entry[2], "waits for the model skillcache converts"
 
-    # one variable for both dtypes
+    # one variable for the dtype: vLLM's --dtype, and skillcache's setting says the same
     app = VLLM["services"]["skillcache"]
     env = app["environment"]
-    assert args[args.index("--dtype") + 1] == env["SKILLCACHE_VLLM_DTYPE"] == "${SKILLCACHE_VLLM_DTYPE:-float32}"
+    assert args[args.index("--dtype") + 1] == env["SKILLCACHE_VLLM_DTYPE"] == "${SKILLCACHE_VLLM_DTYPE:-bfloat16}"
     assert env["SKILLCACHE_ENGINE"] == "vllm"
     assert env["SKILLCACHE_VLLM_URL"] == "http://vllm:8000"
     assert env["SKILLCACHE_VLLM_MODEL"] == SERVED_NAME
-    assert env["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
 
-    # the heads: one memory-backed named volume in both containers; vLLM reads it, the connector, and the model
-    heads = VLLM["volumes"]["heads"]["driver_opts"]
-    assert heads["type"] == "tmpfs" and heads["device"] == "tmpfs" and "size=" in heads["o"]
-    assert "heads:/heads" in app["volumes"]
+    # the spans: a memory-backed named volume in the vllm container only (skillcache never reads them); the
+    # connector's code and the model come from skillcache's side, read-only
+    spans = VLLM["volumes"]["spans"]["driver_opts"]
+    assert spans["type"] == "tmpfs" and spans["device"] == "tmpfs" and "size=" in spans["o"]
+    assert "volumes" not in app and "hostname" not in app, "skillcache mounts nothing for vLLM"
     mounts = vllm["volumes"]
-    assert "heads:/heads:ro" in mounts
+    assert "spans:/spans" in mounts
     assert "./service:/opt/skillcache/service:ro" in mounts and vllm["environment"]["PYTHONPATH"] == "/opt/skillcache"
     assert f"skillcache-data:{BASE['services']['skillcache']['environment']['SKILLCACHE_HOME']}:ro" in mounts
     assert "skillcache-data" in BASE["volumes"]
@@ -231,14 +236,40 @@ def test_vllm_override():
     compile(vllm["healthcheck"]["test"][-1], "<healthcheck>", "exec")
 
 
-def test_vllm_override_connector_files_exist():
-    """What vLLM imports from the mounted folder (only torch and vllm besides)."""
-    for f in ("__init__.py", "vllm/__init__.py", "vllm/heads.py", "vllm/connector.py"):
-        assert (REPO / "service" / f).is_file(), f
-    for f in ("vllm/heads.py", "vllm/connector.py"):
-        imports = re.findall(r"^(?:from|import) (\w+)", (REPO / "service" / f).read_text(), re.M)
-        assert set(imports) <= {"__future__", "json", "mmap", "os", "threading", "warnings", "zlib", "dataclasses",
-                                "pathlib", "typing", "logging", "torch", "vllm", "service"}, (f, imports)
+def _entrypoint(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The vllm service's entrypoint script, run by sh with a model folder in place and `python3` stubbed to print
+    its arguments ($$ unescaped as compose does)."""
+    model, fake = tmp_path / "model", tmp_path / "bin"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (fake / "python3").chmod(0o755)
+    script = VLLM["services"]["vllm"]["entrypoint"][2].replace("$$", "$")
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "MODEL_DIR": str(model)}
+    return subprocess.run(["sh", "-c", script, "vllm", *args], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_vllm_override_entrypoint_refuses_auto(tmp_path):
+    """vLLM's own --dtype auto is the model's dtype, not SKILLCACHE_VLLM_DTYPE=auto's rule (service/vllm/launch.py,
+    which the override does not run): the entrypoint stops with what to set instead."""
+    ok = _entrypoint(tmp_path / "ok", "--served-model-name", "skillcache", "--dtype", "bfloat16")
+    assert ok.returncode == 0, ok.stderr
+    model = str(tmp_path / "ok" / "model")
+    assert ok.stdout.split() == ["-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                 "--served-model-name", "skillcache", "--dtype", "bfloat16"]
+    refused = _entrypoint(tmp_path / "auto", "--dtype", "auto", "--port", "8000")
+    assert refused.returncode == 2 and "bfloat16, float16 or float32" in refused.stderr
+    assert refused.stdout == ""
+
+
+def test_vllm_override_connector_closure():
+    """What vLLM imports from the mounted service/ folder: the connector and the modules it reaches, all in the
+    repository, needing no package beyond vLLM's own dependencies (its image has those)."""
+    modules, external = connector_closure()
+    assert {"service.vllm.connector", "service.vllm.spans", "service.vllm.transfer"} <= modules
+    assert external <= VLLM_IMAGE_PACKAGES, sorted(external - VLLM_IMAGE_PACKAGES)
+    assert not [m for m in modules if m.startswith(("service.api", "service.engines"))], "not the service's app"
 
 
 def test_vllm_override_names_only_real_settings():
@@ -266,7 +297,8 @@ def test_compose_config_vllm():
     app, vllm = cfg["services"]["skillcache"], cfg["services"]["vllm"]
     env = app["environment"]
     assert env["SKILLCACHE_ENGINE"] == "vllm" and env["SKILLCACHE_VLLM_URL"] == "http://vllm:8000"
-    assert env["SKILLCACHE_VLLM_DTYPE"] == "float32" and env["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
+    assert env["SKILLCACHE_VLLM_DTYPE"] == "bfloat16"
+    assert not [k for k in env if k.startswith("SKILLCACHE_VLLM_") and k.endswith("_DIR")], "skillcache reads no spans"
     # the base survives the merge: store, model volume, published port, healthcheck (with the longer start)
     assert env["SKILLCACHE_STORE"] == "redis" and env["SKILLCACHE_HOME"] == "/data"
     assert app["ports"][0]["target"] == 8000 and app["ports"][0]["host_ip"] == "127.0.0.1"
@@ -276,8 +308,10 @@ def test_compose_config_vllm():
 
     args = [str(a) for a in vllm["command"]]
     assert args[args.index("--dtype") + 1] == env["SKILLCACHE_VLLM_DTYPE"]
-    assert _connector_config(args)["kv_connector_extra_config"]["heads_dir"] == env["SKILLCACHE_VLLM_HEADS_DIR"]
-    assert _connector_config(args)["kv_connector_module_path"] == "service.vllm.connector"
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+    connector = _connector_config(args)
+    assert connector["kv_role"] == "kv_both" and connector["kv_load_failure_policy"] == "recompute"
+    assert connector["kv_connector_module_path"] == "service.vllm.connector"
     assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
     assert not vllm.get("ports")
     assert vllm["environment"]["PYTHONPATH"] == "/opt/skillcache"
@@ -285,27 +319,31 @@ def test_compose_config_vllm():
     def mounts(service):
         return {v["target"]: v for v in service["volumes"]}
 
-    assert mounts(app)["/heads"]["type"] == "volume" and mounts(vllm)["/heads"]["type"] == "volume"
-    assert mounts(app)["/heads"]["source"] == mounts(vllm)["/heads"]["source"] == "heads"
-    assert mounts(vllm)["/heads"]["read_only"] and mounts(vllm)["/data"]["read_only"]
+    # the connector's spans_dir is the spans volume, writable, in vLLM alone
+    spans_dir = connector["kv_connector_extra_config"]["spans_dir"]
+    assert mounts(vllm)[spans_dir]["type"] == "volume" and mounts(vllm)[spans_dir]["source"] == "spans"
+    assert not mounts(vllm)[spans_dir].get("read_only")
+    assert set(mounts(app)) == {"/data"}
+    assert mounts(vllm)["/data"]["read_only"]
     assert mounts(app)["/data"]["source"] == mounts(vllm)["/data"]["source"] == "skillcache-data"
-    connector = mounts(vllm)["/opt/skillcache/service"]
-    assert connector["type"] == "bind" and connector["read_only"]
-    assert Path(connector["source"]) == REPO / "service"
-    assert cfg["volumes"]["heads"]["driver_opts"] == {"type": "tmpfs", "device": "tmpfs", "o": "size=2g,mode=1777"}
+    code = mounts(vllm)["/opt/skillcache/service"]
+    assert code["type"] == "bind" and code["read_only"]
+    assert Path(code["source"]) == REPO / "service"
+    assert cfg["volumes"]["spans"]["driver_opts"] == {"type": "tmpfs", "device": "tmpfs", "o": "size=2g,mode=1777"}
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
 
 
 def test_compose_config_vllm_dtype_is_one_variable():
-    """bfloat16 on a GPU: the one variable sets vLLM's --dtype and the dtype skillcache publishes heads in."""
+    """float16 (a GPU without bfloat16): the one variable sets vLLM's --dtype and skillcache's setting."""
     cfg = _config("docker-compose.yml", "docker-compose.vllm.yml",
-                  env={"SKILLCACHE_VLLM_DTYPE": "bfloat16", "VLLM_MODEL": "/models/llama"})
+                  env={"SKILLCACHE_VLLM_DTYPE": "float16", "VLLM_MODEL": "/models/llama", "VLLM_SPANS_SIZE": "8g"})
     vllm = cfg["services"]["vllm"]
     args = [str(a) for a in vllm["command"]]
-    assert args[args.index("--dtype") + 1] == "bfloat16"
-    assert cfg["services"]["skillcache"]["environment"]["SKILLCACHE_VLLM_DTYPE"] == "bfloat16"
+    assert args[args.index("--dtype") + 1] == "float16"
+    assert cfg["services"]["skillcache"]["environment"]["SKILLCACHE_VLLM_DTYPE"] == "float16"
     assert vllm["environment"]["MODEL_DIR"] == "/models/llama"
+    assert cfg["volumes"]["spans"]["driver_opts"]["o"] == "size=8g,mode=1777"
 
 
 def test_compose_config_vllm_with_gpu_override():
@@ -313,4 +351,4 @@ def test_compose_config_vllm_with_gpu_override():
     app = cfg["services"]["skillcache"]
     assert app["build"]["args"]["BASE"] == "cuda" and app["environment"]["SKILLCACHE_DEVICE"] == "cuda"
     assert app["environment"]["SKILLCACHE_ENGINE"] == "vllm"
-    assert {v["target"] for v in app["volumes"]} == {"/data", "/heads"}
+    assert {v["target"] for v in app["volumes"]} == {"/data"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_helpers import CHART, NAMESPACE, REPO, RenderError, load_yaml
+from deploy_helpers import CHART, NAMESPACE, REPO, VLLM_IMAGE_PACKAGES, RenderError, connector_closure, load_yaml
 from deploy_helpers import missing
 
 VALUES = load_yaml(CHART / "values.yaml")
@@ -391,7 +391,7 @@ def test_vllm_values():
     v = VALUES["vllm"]
     assert v["enabled"] is False
     assert v["image"]["repository"] == "vllm/vllm-openai" and re.fullmatch(r"v\d+\.\d+\.\d+", v["image"]["tag"])
-    assert v["dtype"] == "float32"
+    assert v["dtype"] == "bfloat16", "what SKILLCACHE_VLLM_DTYPE=auto picks on a GPU, spelled out"
     assert v["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert v["port"] != VALUES["service"]["port"], "same pod: vLLM cannot take skillcache's port"
 
@@ -401,8 +401,7 @@ def test_vllm_off_by_default(render):
     pod = r.deployment()["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["skillcache"]
     assert "initContainers" not in pod
-    assert not {"heads", "connector", "vllm-home", "dshm"} & {v["name"] for v in pod["volumes"]}
-    assert "/heads" not in {m["mountPath"] for m in r.container()["volumeMounts"]}
+    assert not {"spans", "connector", "vllm-home", "dshm"} & {v["name"] for v in pod["volumes"]}
     assert not [k for k in r.config() if k == "SKILLCACHE_ENGINE" or k.startswith("SKILLCACHE_VLLM_")]
     assert "tolerations" not in pod
 
@@ -414,14 +413,18 @@ def _vllm(r) -> dict:
 
 
 def test_vllm_sidecar(render):
-    from service.vllm.launch import SERVED_NAME, connector_config
+    from service.vllm.launch import SERVED_NAME, command, connector_config
 
     r = render(VLLM_ON)
     pod = r.deployment()["spec"]["template"]["spec"]
     vllm = _vllm(r)
     assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
     args = vllm["args"]
-    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == json.loads(connector_config(Path("/heads")))
+    connector = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert connector == json.loads(connector_config(Path("/spans")))
+    assert connector["kv_role"] == "kv_both" and connector["kv_load_failure_policy"] == "recompute"
+    launch = command(Path("/m"), 8100, Path("/spans"))
+    assert args[args.index("--scheduling-policy") + 1] == launch[launch.index("--scheduling-policy") + 1]
     assert args[args.index("--served-model-name") + 1] == SERVED_NAME
     assert args[args.index("--host") + 1] == "127.0.0.1", "vLLM's API has no keys: the pod's loopback only"
     assert args[args.index("--port") + 1] == "8100"
@@ -437,22 +440,24 @@ def test_vllm_sidecar(render):
         assert cmd[:2] == ["python3", "-c"] and "http://127.0.0.1:8100/health" in cmd[2]
         compile(cmd[2], probe, "exec")
 
-    # skillcache: engine vllm, on the same pod's loopback, one dtype for both
+    # skillcache: engine vllm, on the same pod's loopback, its dtype setting vLLM's
     config = r.config()
     assert config["SKILLCACHE_ENGINE"] == "vllm"
     assert config["SKILLCACHE_VLLM_URL"] == "http://127.0.0.1:8100"
     assert config["SKILLCACHE_VLLM_MODEL"] == SERVED_NAME
-    assert config["SKILLCACHE_VLLM_DTYPE"] == args[args.index("--dtype") + 1] == "float32"
-    assert config["SKILLCACHE_VLLM_HEADS_DIR"] == "/heads"
+    assert config["SKILLCACHE_VLLM_DTYPE"] == args[args.index("--dtype") + 1] == "bfloat16"
+    assert "SKILLCACHE_VLLM_SPANS_DIR" not in config, "skillcache reads no spans"
     assert r.container()["readinessProbe"]["httpGet"]["path"] == "/readyz", "readiness covers vLLM (the engine)"
 
-    # the shared volumes: heads in memory (skillcache writes, vLLM reads), the connector, the model folder
+    # the volumes: the spans in memory, vLLM's alone (the connector writes and reads them); the connector's code;
+    # the model folder, shared read-only
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["heads"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert volumes["spans"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     app_mounts = {m["mountPath"]: m for m in r.container()["volumeMounts"]}
     vllm_mounts = {m["mountPath"]: m for m in vllm["volumeMounts"]}
-    assert app_mounts["/heads"]["name"] == vllm_mounts["/heads"]["name"] == "heads"
-    assert not app_mounts["/heads"].get("readOnly") and vllm_mounts["/heads"]["readOnly"]
+    spans_dir = connector["kv_connector_extra_config"]["spans_dir"]
+    assert vllm_mounts[spans_dir]["name"] == "spans" and not vllm_mounts[spans_dir].get("readOnly")
+    assert "spans" not in {m["name"] for m in r.container()["volumeMounts"]}
     assert vllm_mounts["/data"]["name"] == app_mounts["/data"]["name"] == "data" and vllm_mounts["/data"]["readOnly"]
     assert vllm_mounts["/opt/skillcache"]["name"] == "connector"
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and vllm_mounts["/dev/shm"]["name"] == "dshm"
@@ -464,8 +469,6 @@ def test_vllm_sidecar(render):
     assert init["volumeMounts"] == [{"name": "connector", "mountPath": "/connector"}]
     code = init["command"][2]
     compile(code, "<init>", "exec")
-    for f in ("vllm/heads.py", "vllm/connector.py", "__init__.py", "vllm/__init__.py"):
-        assert f'"{f}"' in code
     assert '"/connector/service"' in code, "lands as /opt/skillcache/service in vLLM, on its PYTHONPATH"
 
     # a GPU node: the usual taint is tolerated
@@ -473,28 +476,32 @@ def test_vllm_sidecar(render):
 
 
 def test_vllm_init_copies_the_connector(tmp_path, render):
-    """The initContainer's code, run against this checkout: the four files vLLM imports land under /connector."""
+    """The initContainer's code, run against this checkout: every module vLLM imports through the connector lands
+    under /connector (the service package, without bytecode caches)."""
     code = render(VLLM_ON).deployment()["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
     code = code.replace('"/connector/service"', repr(str(tmp_path / "service")))
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
-    copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py"))
-    assert copied == ["service/__init__.py", "service/vllm/__init__.py", "service/vllm/connector.py",
-                      "service/vllm/heads.py"]
+    modules, external = connector_closure()
+    for module in modules:
+        rel = Path(*module.split("."))
+        assert (tmp_path / rel.with_suffix(".py")).is_file() or (tmp_path / rel / "__init__.py").is_file(), module
+    assert external <= VLLM_IMAGE_PACKAGES, sorted(external - VLLM_IMAGE_PACKAGES)
+    assert not list(tmp_path.rglob("__pycache__"))
 
 
 def test_vllm_options(render):
-    r = render({"vllm": {"enabled": True, "dtype": "bfloat16", "model": "/models/llama", "port": 8200,
-                         "extraArgs": ["--max-model-len", "8192"], "headsSizeLimit": "4Gi",
+    r = render({"vllm": {"enabled": True, "dtype": "float16", "model": "/models/llama", "port": 8200,
+                         "extraArgs": ["--max-model-len", "8192"], "spansSizeLimit": "4Gi",
                          "image": {"tag": "v0.33.0"}}})
     vllm = _vllm(r)
     args = vllm["args"]
-    assert args[args.index("--dtype") + 1] == "bfloat16" == r.config()["SKILLCACHE_VLLM_DTYPE"]
+    assert args[args.index("--dtype") + 1] == "float16" == r.config()["SKILLCACHE_VLLM_DTYPE"]
     assert args[-2:] == ["--max-model-len", "8192"]
     assert r.config()["SKILLCACHE_VLLM_URL"] == "http://127.0.0.1:8200"
     assert {e["name"]: e.get("value") for e in vllm["env"]}["MODEL_DIR"] == "/models/llama"
     assert vllm["image"].endswith(":v0.33.0")
-    heads = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "heads")
-    assert heads["emptyDir"]["sizeLimit"] == "4Gi"
+    spans = next(v for v in r.deployment()["spec"]["template"]["spec"]["volumes"] if v["name"] == "spans")
+    assert spans["emptyDir"]["sizeLimit"] == "4Gi"
     # with gpu.enabled too: one GPU each
     r = render({"vllm": {"enabled": True}, "gpu": {"enabled": True}})
     assert r.container()["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -505,6 +512,15 @@ def test_vllm_dtype_is_set_in_one_place(render):
     with pytest.raises(RenderError) as err:
         render({"vllm": {"enabled": True}, "config": {"SKILLCACHE_VLLM_DTYPE": "bfloat16"}})
     assert "vllm.dtype" in str(err.value)
+
+
+def test_vllm_dtype_auto_is_refused(render):
+    """vLLM's own --dtype auto is the model's dtype, not SKILLCACHE_VLLM_DTYPE=auto's rule (service/vllm/launch.py,
+    which the chart does not run): the chart asks for the dtype itself."""
+    with pytest.raises(RenderError) as err:
+        render({"vllm": {"enabled": True, "dtype": "auto"}})
+    assert "bfloat16, float16 or float32" in str(err.value)
+    assert render({"vllm": {"enabled": False, "dtype": "auto"}}).config(), "only checked with vLLM on"
 
 
 @pytest.mark.parametrize("values", [VLLM_ON, {"vllm": {"enabled": True}, "gpu": {"enabled": True},

@@ -1,6 +1,7 @@
 """The contract between make / the Dockerfile and scripts/install.sh, checked by running the real script with a stub
 python that records each pip call (nothing is installed), and with the GPU probe faked: stub `uname` and
-`nvidia-smi` first on PATH decide which machine the script thinks it is on."""
+`nvidia-smi` first on PATH decide which machine the script thinks it is on, and a stub `getent` whether PyTorch's
+CPU index resolves there."""
 
 from __future__ import annotations
 
@@ -26,15 +27,17 @@ def _stub(path: Path, body: str) -> None:
 
 
 def run_install(tmp_path: Path, extras: str | None = None, *, system: str = "Linux", gpu: str | None = None,
-                args: tuple[str, ...] = (), **env_vars: str) -> tuple[list[str], subprocess.CompletedProcess]:
+                resolves: bool = True, args: tuple[str, ...] = (), **env_vars: str
+                ) -> tuple[list[str], subprocess.CompletedProcess]:
     """Run install.sh on a faked machine. `gpu`: what `nvidia-smi -L` prints (None: it fails, as without a driver
-    or GPU). Returns the pip calls and the process."""
+    or GPU); `resolves`: whether download.pytorch.org resolves. Returns the pip calls and the process."""
     venv, log, fake = tmp_path / "venv", tmp_path / "calls.log", tmp_path / "fake-bin"
     (venv / "bin").mkdir(parents=True)
     fake.mkdir()
     _stub(venv / "bin" / "python", f'echo "$*" >> {log}')
     _stub(fake / "uname", f"echo {system}")
     _stub(fake / "nvidia-smi", f"echo '{gpu}'" if gpu else "echo 'No devices were found' >&2; exit 6")
+    _stub(fake / "getent", "echo '104.18.0.1 download.pytorch.org'" if resolves else "exit 2")
     env = {k: v for k, v in os.environ.items()
            if k not in ("SKILLCACHE_EXTRAS", "TORCH_INDEX_URL", "TORCH_BUILD")}
     env["PATH"] = f"{fake}:{env['PATH']}"
@@ -96,6 +99,15 @@ def test_torch_build_picks_itself(tmp_path, system, gpu, torch_call):
 ])
 def test_torch_build_override(tmp_path, build, gpu, torch_call):
     assert torch_call in installs(tmp_path, gpu=gpu, TORCH_BUILD=build)
+
+
+def test_cpu_index_that_does_not_resolve_is_skipped(tmp_path):
+    """Offline, or behind a mirror: pip would retry an unresolvable index for every package, so the CPU build must
+    then come from a local wheel source (pip's find-links), and the script says so."""
+    calls, proc = run_install(tmp_path, gpu=None, resolves=False)
+    assert proc.returncode == 0, proc.stderr
+    assert PYPI_TORCH in calls and not any(CPU_INDEX in c for c in calls), calls
+    assert "from PyPI or a local wheel source" in proc.stdout
 
 
 def test_torch_index_url_wins(tmp_path):
