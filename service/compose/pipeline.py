@@ -17,6 +17,7 @@ from service import metrics
 from service.config import Settings
 from service.compose.auto import AutoHeads
 from service.compose.autoblocks import AutoBlocks
+from service.compose.blockref import BlockRef
 from service.compose.edits import SkillEdit, check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
@@ -127,7 +128,7 @@ class ComposePipeline:
         calibrated; registered skills' blocks go to every tier and are calibrated once."""
         key = self.registry.block_key(namespace, text)
         block, source = await self._block(key, lambda: self.rt.prompts.encode_content(text), ephemeral=variant)
-        if not variant:
+        if not variant and not self.runner.compiles_blocks:  # (calibration runs on this process's model)
             self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
 
@@ -138,10 +139,17 @@ class ComposePipeline:
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
         key = BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"tools-{digest}")
         block, source = await self._block(key, lambda: list(ids), ephemeral=True)
-        self.guard.schedule_calibration(key, block, ephemeral=True)
+        if not self.runner.compiles_blocks:
+            self.guard.schedule_calibration(key, block, ephemeral=True)
         return block, source, key
 
     async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
+        if self.runner.compiles_blocks:  # the engine compiles and keeps its own blocks (vLLM): nothing is held here
+            block = BlockRef(list(token_ids()), len(self.rt.anchor))
+            source = "engine" if self.runner.holds(key.namespace, block) else "compiled"  # compiled: by this request
+            metrics.SKILL_HITS.labels(source).inc()
+            return block, source
+
         async def compile_fn():
             t0 = time.perf_counter()
             ids = token_ids()  # only on a miss: hits never re-tokenize

@@ -6,6 +6,8 @@ Both implement the same small interface:
     async close()
     keeps_conversations: bool                                    True: sessions send each turn whole, the engine's
                                                                  prefix cache keeps the conversation (vLLM)
+    compiles_blocks: bool                                        True: the engine compiles and keeps blocks itself; the
+                                                                 pipeline hands it BlockRefs (ids, no K/V)
     composes_sections: bool                                      True: a system prompt's sections are composed as
                                                                  blocks (service/compose/autoblocks.py)
 embedded  service/engines/embedded.py: this process's serving engine (make run)

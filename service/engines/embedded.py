@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 class EmbeddedEngine:
     keeps_conversations = False  # a session's cache is held by the session manager, in this process
     composes_sections = True  # system-prompt sections are composed as blocks (service/compose/autoblocks.py)
+    compiles_blocks = False  # blocks are compiled on this process's model and kept in the store's tiers
 
     def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
         self.settings = settings
@@ -35,6 +36,9 @@ class EmbeddedEngine:
         self.refiner = refiner
         self.guard = guard
         self.auto = auto  # automatic exact heads (service/compose/auto.py); None or disabled: off
+
+    def holds(self, namespace: str, block) -> bool:
+        return True  # its blocks are the store's (compiles_blocks False: the pipeline never asks)
 
     async def health(self) -> bool:
         return True  # the model thread is this process: /livez covers it

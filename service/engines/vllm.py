@@ -58,6 +58,7 @@ class VllmEngine:
     # system-prompt sections stay text: a composed head is approximate and travels under a request-only salt, so it
     # would take a repeated system prompt away from vLLM's exact prefix cache, which serves it already
     composes_sections = False
+    compiles_blocks = True  # vLLM compiles each block, its connector keeps it: the pipeline names blocks by ids
 
     def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None) -> None:
         self.settings = settings
@@ -110,13 +111,19 @@ class VllmEngine:
         _touch(self._chains, chain.digest)
         return chain.n_head - chain.n_copied
 
+    def _name(self, namespace: str, block) -> str:
+        return block_name(namespace, self.rt.fingerprint, list(self.rt.anchor[:block.base]), list(block.token_ids))
+
+    def holds(self, namespace: str, block) -> bool:
+        """vLLM has saved this block (as far as this process knows): a request that uses it compiles nothing."""
+        return self._name(namespace, block) in self._blocks
+
     def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
         """The request's chain, the seam each skill got, and the blocks it copies (record, ids, base)."""
         plan, ns = prep.plan, prep.params.namespace
         bases = [b.base for b in prep.blocks]
         ops = head_ops(plan.segments, bases, prep.seams, list(self.rt.anchor))
-        names = [block_name(ns, self.rt.fingerprint, list(self.rt.anchor[:b.base]), list(b.token_ids))
-                 for b in prep.blocks]
+        names = [self._name(ns, b) for b in prep.blocks]
         chain = Chain.build(ops, names, chain_digest(ns, self.rt.fingerprint, plan.ids, ops, names))
         exact_first = {op.block for op in ops if op.kind == "copy" and op.at == 0}
         seams = {s.skill_index: (0 if s.skill_index in exact_first else min(prep.seams[s.skill_index], len(s.ids)))

@@ -125,7 +125,7 @@ def test_the_head_is_built_inside_vllm_blocks_compiled_seams_computed_in_steps_t
     assert u["composed_tokens"] == chain.n_copied and u["prefix_tokens"] == 0
     assert u["recomputed_tokens"] == len(final["ids"]) - chain.n_copied > 0
     assert out["text"] == "Hello" and out["skills"][1]["seam"] == prep.seams[1]
-    assert not list(tmp.rglob("pool-*"))  # no head pool
+    assert not list(tmp.rglob("*.safetensors")) and not list(tmp.rglob("pool-*"))  # no K/V passes through here
 
 
 def test_a_repeated_composition_keeps_its_salt_and_runs_no_compile_and_no_step(env):

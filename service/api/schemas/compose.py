@@ -42,7 +42,7 @@ class SkillUse(BaseModel):
     name: str
     version: int
     content_hash: str
-    source: Literal["memory", "disk", "redis", "compiled"]
+    source: Literal["memory", "disk", "redis", "compiled", "engine"]
     path: Literal["compose", "full", "prefix"]  # prefix: inside a refined skill sequence, copied exact
     seam: int | None = None
 
@@ -67,7 +67,7 @@ class ToolsUse(BaseModel):
     format: Literal["hermes", "fallback", "llama3_json"]
     native: bool  # rendered by the chat template's own tools support
     n_tokens: int
-    source: Literal["memory", "disk", "redis", "compiled"] | None = None
+    source: Literal["memory", "disk", "redis", "compiled", "engine"] | None = None
     path: Literal["compose", "full", "prefix", "text"]
     seam: int | None = None
 
