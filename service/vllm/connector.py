@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("skillcache.connector")
 DEFAULT_SPANS_DIR = "/dev/shm/skillcache-spans"
+DEFAULT_MAX_BYTES = 1024**3  # a rank's records on disk; least recently used out first (steps of old orders, blocks)
 
 
 @dataclass
@@ -99,7 +100,8 @@ class SkillcacheConnector(KVConnectorBase_V1):
         dtype = str(mc.dtype).removeprefix("torch.") if dtype == "auto" else dtype
         key = model_key(str(mc.model), dtype, mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size())
         store = SpanStore(Path(extra.get("spans_dir", DEFAULT_SPANS_DIR)), key, getattr(pc, "rank", 0),
-                          pc.tensor_parallel_size, int(extra.get("cache_bytes", 512 * 1024**2)))
+                          pc.tensor_parallel_size, int(extra.get("cache_bytes", 512 * 1024**2)),
+                          int(extra.get("max_bytes", DEFAULT_MAX_BYTES)))
         self._setup(store, vllm_config.cache_config.block_size, lambda: _rotator(mc.hf_config))
 
     def _setup(self, store: SpanStore, block_size: int, rotator_fn) -> None:

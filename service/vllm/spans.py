@@ -5,6 +5,8 @@ block compiled in its canonical context (`blk-...`: the chat template's opening 
 the tokens one step of a composition computed (`step-...`: seams and the text between blocks). Its keys carry RoPE
 at the positions they were computed at; a load moves them (service/vllm/connector.py).
 
+A rank's files are bounded (max_bytes, the connector's `max_bytes`: 1 GiB by default): the least recently saved or
+loaded record goes first (a skill order's steps not seen for long, an old block), and reads as missing after.
 One file per record and tensor-parallel rank, safetensors, in the connector's spans dir (a tmpfs by default):
     <dir>/<model key>/<name>.tp<size>r<rank>.safetensors
     k, v    [L, T, H_kv / tp, D] in vLLM's cache dtype (this rank's heads)
@@ -74,13 +76,45 @@ def _crc(k: torch.Tensor, v: torch.Tensor) -> int:
 class SpanStore:
     """The records of one model key, for one tensor-parallel rank, with a bounded in-memory LRU of loaded ones."""
 
-    def __init__(self, root: Path, key: str, tp_rank: int = 0, tp_size: int = 1, cache_bytes: int = 512 * 1024**2
-                 ) -> None:
+    def __init__(self, root: Path, key: str, tp_rank: int = 0, tp_size: int = 1, cache_bytes: int = 512 * 1024**2,
+                 max_bytes: int | None = None) -> None:
         self.dir = Path(root) / key
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, Span] = OrderedDict()
         self._held = 0
+        self.max_bytes = max_bytes  # this rank's files on disk (None: unbounded); least recently used out first
+        self._files: OrderedDict[str, int] | None = None  # name -> file bytes, least recently used first
+
+    def _disk(self) -> OrderedDict[str, int]:
+        """This rank's records on disk, oldest first (read once from the directory: a restarted vLLM finds them)."""
+        if self._files is None:
+            suffix = f".tp{self.tp_size}r{self.tp_rank}.safetensors"
+            found = []
+            for p in self.dir.glob(f"*{suffix}") if self.dir.is_dir() else []:
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                found.append((st.st_mtime, p.name[:-len(suffix)], st.st_size))
+            self._files = OrderedDict((name, size) for _, name, size in sorted(found))
+        return self._files
+
+    def _used(self, name: str, size: int | None = None) -> None:
+        """Mark a record as just saved (size) or loaded; evict the least recently used past max_bytes."""
+        files = self._disk()
+        if size is None:
+            if name in files:
+                files.move_to_end(name)
+            return
+        files.pop(name, None)
+        files[name] = size
+        total = sum(files.values())
+        while self.max_bytes is not None and total > self.max_bytes and len(files) > 1:
+            old, n = files.popitem(last=False)
+            total -= n
+            self._drop(old)
+            self.path(old).unlink(missing_ok=True)  # a later request that names it finds it missing: vLLM computes
 
     def path(self, name: str, rank: int | None = None) -> Path:
         r = self.tp_rank if rank is None else rank
@@ -112,9 +146,11 @@ class SpanStore:
         save_file({"k": k, "v": v}, str(tmp), metadata=meta)
         os.replace(tmp, path)
         self._drop(name)
+        self._used(name, path.stat().st_size)
 
     def load(self, name: str) -> Span:
         span = self._cache.get(name)
+        self._used(name)
         if span is not None:
             self._cache.move_to_end(name)
             return span

@@ -153,3 +153,21 @@ def test_the_model_key_separates_models_dtypes_and_layouts(tmp_path):
     a, b = SpanStore(tmp_path, key), SpanStore(tmp_path, model_key(*others[1]))
     a.save("blk-a", 0, [1], *kv(1))
     assert a.exists("blk-a") and not b.exists("blk-a")  # a record of another layout is not found
+
+
+def test_the_files_stay_within_max_bytes_least_recently_used_out_first(tmp_path):
+    def kv(n):
+        return torch.ones(2, n, 1, 4), torch.ones(2, n, 1, 4)
+
+    probe = SpanStore(tmp_path / "probe", "k")
+    probe.save("x", 0, list(range(8)), *kv(8))
+    size = probe.path("x").stat().st_size
+    store = SpanStore(tmp_path, "k", max_bytes=3 * size)
+    for name in ("a", "b", "c"):
+        store.save(name, 0, list(range(8)), *kv(8))
+    store.load("a")  # used: now b is the least recently used
+    store.save("d", 0, list(range(8)), *kv(8))
+    assert [store.exists(n) for n in "abcd"] == [True, False, True, True]
+    again = SpanStore(tmp_path, "k", max_bytes=3 * size)  # a restarted vLLM: the files on disk count, oldest first
+    again.save("e", 0, list(range(8)), *kv(8))
+    assert sum(again.exists(n) for n in "acde") == 3 and again.exists("e")
