@@ -106,7 +106,11 @@ class AppState:
                 rec, _ = await self.registry.register(
                     DEFAULT_NAMESPACE, spec["name"], spec["text"], spec.get("description"), spec.get("fields"),
                 )
-                await self.pipeline.block_for(DEFAULT_NAMESPACE, rec.default_text)
+                if self.pipeline.runner.compiles_blocks:  # by the engine, once it answers: not on readiness's path
+                    await self.pipeline.block_for(DEFAULT_NAMESPACE, rec.default_text)
+                    self.pipeline.compile_skill_soon(DEFAULT_NAMESPACE, rec.default_text)
+                else:
+                    await self.pipeline.compile_skill(DEFAULT_NAMESPACE, rec.default_text)
                 self.preload[rec.name] = {"version": rec.version, "n_tokens": rec.n_tokens}
             except (ServiceError, ValueError, OSError) as e:
                 log.error("skill file %s not loaded: %s", path, e)

@@ -7,7 +7,9 @@ become ordinary error responses instead of broken streams.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from service.compose.auto import AutoHeads
 from service.compose.autoblocks import AutoBlocks
 from service.compose.blockref import BlockRef
 from service.compose.edits import SkillEdit, check_fields, plan_edit
-from service.errors import InvalidRequest, LimitExceeded
+from service.errors import InvalidRequest, LimitExceeded, ServiceError
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
 from service.compose.tooluse import ToolsPrep, check_block_size
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from service.runtime.serving import ServingEngine
 
 
+log = logging.getLogger(__name__)
 Mode = Literal["compose", "full"]
 
 
@@ -132,6 +135,31 @@ class ComposePipeline:
             self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
         return block, source
 
+    async def compile_skill(self, namespace: str, text: str) -> None:
+        """A registered skill's block made ready before its first use: compiled here into the store's tiers, or, on an
+        engine that keeps its own blocks, by that engine at background priority (an engine that is down: on first
+        use instead)."""
+        block, _ = await self.block_for(namespace, text)
+        if self.runner.compiles_blocks:
+            try:
+                await self.runner.compile_block(namespace, block)
+            except ServiceError as e:
+                log.warning("skill block not compiled ahead (it is on first use): %s", e)
+
+    def compile_skill_soon(self, namespace: str, text: str, wait_s: float = 600.0) -> None:
+        """compile_skill in the background once the engine answers (start-up: vLLM may come up after skillcache)."""
+
+        async def run() -> None:
+            deadline = time.monotonic() + wait_s
+            while not await self.runner.health():
+                if time.monotonic() > deadline:
+                    log.warning("the engine did not answer within %.0f s: shipped skills compile on first use", wait_s)
+                    return
+                await asyncio.sleep(2.0)
+            await self.compile_skill(namespace, text)
+
+        self.guard.spawn(run())
+
     async def tools_block(self, namespace: str, ids: list[int]):
         """The block of a request's tools (its ids: rendered and tokenized by ToolPrompt), its source and key. No
         record owns it, so nothing would delete it: like a recompile variant it lives in the memory tier only,
@@ -145,10 +173,10 @@ class ComposePipeline:
 
     async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
         if self.runner.compiles_blocks:  # the engine compiles and keeps its own blocks (vLLM): nothing is held here
-            block = BlockRef(list(token_ids()), len(self.rt.anchor))
-            source = "engine" if self.runner.holds(key.namespace, block) else "compiled"  # compiled: by this request
-            metrics.SKILL_HITS.labels(source).inc()
-            return block, source
+            ref = BlockRef(list(token_ids()), len(self.rt.anchor))
+            where = "engine" if self.runner.holds(key.namespace, ref) else "compiled"  # compiled: by this request
+            metrics.SKILL_HITS.labels(where).inc()
+            return ref, where
 
         async def compile_fn():
             t0 = time.perf_counter()

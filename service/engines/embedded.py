@@ -40,6 +40,9 @@ class EmbeddedEngine:
     def holds(self, namespace: str, block) -> bool:
         return True  # its blocks are the store's (compiles_blocks False: the pipeline never asks)
 
+    async def compile_block(self, namespace: str, block) -> None:
+        return None  # compiled into the store by the pipeline (compiles_blocks False)
+
     async def health(self) -> bool:
         return True  # the model thread is this process: /livez covers it
 

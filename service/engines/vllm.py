@@ -74,7 +74,11 @@ class VllmEngine:
         self._tasks: set[asyncio.Task] = set()
 
     # ---- blocks and chains -----------------------------------------------------------------
-    async def _compile(self, name: str, ids: list[int], base: int, namespace: str) -> None:
+    async def compile_block(self, namespace: str, block) -> None:
+        """A registered skill's block compiled ahead of use, at background priority (registration, start-up)."""
+        await self._compile(self._name(namespace, block), list(block.token_ids), block.base, namespace, BACKGROUND)
+
+    async def _compile(self, name: str, ids: list[int], base: int, namespace: str, priority: int = LIVE) -> None:
         """vLLM prefills the block in its canonical context (the anchor's first `base` tokens, then the block) and
         the connector saves it; once per record (single flight)."""
         if name in self._blocks:
@@ -87,7 +91,7 @@ class VllmEngine:
                 t0 = time.perf_counter()
                 prompt = list(self.rt.anchor[:base]) + list(ids)
                 await self.client.prefill(prompt, f"compile:{namespace}", Transfer(save=Save(name, 0, len(prompt))),
-                                          LIVE)
+                                          priority)
                 _touch(self._blocks, name)
                 metrics.VLLM_HEADS.labels("compiled").inc()
                 metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)

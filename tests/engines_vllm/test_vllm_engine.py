@@ -113,8 +113,9 @@ def test_the_head_is_built_inside_vllm_blocks_compiled_seams_computed_in_steps_t
     # each block compiled once by vLLM, in its canonical context (after the anchor), its K/V saved whole
     compiles = sent_by(fake, "compile")
     assert sorted(tuple(x["ids"]) for x in compiles) == sorted(tuple(anchor[:b] + ids) for _, ids, b in blocks)
-    for x in compiles:
-        assert x["priority"] == 0 and x["transfer"]["skillcache"]["save"][1:] == [0, len(x["ids"])]
+    for x in compiles:  # at registration, ahead of use: behind live requests
+        assert x["priority"] > 0 and x["transfer"]["skillcache"]["save"][1:] == [0, len(x["ids"])]
+    assert [s["source"] for s in out["skills"]] == ["engine", "engine"]
     # the second block's seam is computed by vLLM against the copied first block: one step, saved, then loaded
     (step,) = sent_by(fake, "step")
     assert seams == {0: 0, 1: prep.seams[1]} and len(chain.steps) == 1
@@ -126,6 +127,16 @@ def test_the_head_is_built_inside_vllm_blocks_compiled_seams_computed_in_steps_t
     assert u["recomputed_tokens"] == len(final["ids"]) - chain.n_copied > 0
     assert out["text"] == "Hello" and out["skills"][1]["seam"] == prep.seams[1]
     assert not list(tmp.rglob("*.safetensors")) and not list(tmp.rglob("pool-*"))  # no K/V passes through here
+
+
+def test_a_block_first_used_unregistered_is_compiled_by_its_request_at_live_priority(env):
+    c, fake, _, _ = env
+    r = c.post("/v1/skills?compile=false", json={"name": "late", "text": TEXT_B + " and more"})
+    assert r.status_code in (200, 201) and not [x for x in sent_by(fake, "compile") if x["priority"] == 0]
+    out = compose(c, ["late"])
+    (live,) = [x for x in sent_by(fake, "compile") if x["priority"] == 0]
+    assert out["skills"][0]["source"] == "compiled" and fake.sent.index(live) < len(fake.sent) - 1
+    assert compose(c, ["late"])["skills"][0]["source"] == "engine"
 
 
 def test_a_repeated_composition_keeps_its_salt_and_runs_no_compile_and_no_step(env):

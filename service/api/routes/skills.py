@@ -37,7 +37,7 @@ async def register_skill(
     """Register a skill. The same text and fields again: 200 with the same version; changed: a new version."""
     rec, created = await pipeline.registry.register(ns, body.name, body.text, body.description, body.fields)
     if compile:
-        await pipeline.block_for(ns, rec.default_text)
+        await pipeline.compile_skill(ns, rec.default_text)
     response.status_code = 201 if created else 200
     return await _out(pipeline, ns, rec)
 
