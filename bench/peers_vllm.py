@@ -5,8 +5,9 @@
 
 Each engine runs alone on the machine (started, measured, stopped, then the next), on the same token ids: the three
 shipped skills of bench/peers.py in every order, a user turn after them, rendered by skillcache's PromptBuilder.
-  vllm            vLLM's OpenAI server (CPU build, float32, prefix caching on: its default), sent the ids directly
-  skillcache-vllm skillcache (SKILLCACHE_ENGINE=vllm) in front of the same vLLM started with skillcache's connector
+  vllm            vLLM's OpenAI server (CPU build, its fastest dtype here, prefix caching on), sent the ids directly
+  skillcache-vllm skillcache (SKILLCACHE_ENGINE=vllm) in front of the same vLLM started with skillcache's connector:
+                  vLLM compiles the blocks and computes the seams, the connector moves and rotates K/V
   embedded        skillcache on its own engine (make run)
 Arms (greedy, streamed, client-side timing):
   a  first-time orders: each order once, on a fresh server (skillcache's refinement off: each order composed)
@@ -36,7 +37,7 @@ from peers_stats import summarize
 from peers_work import PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, Prompts, send
 
 from service.devserver import ROOT, ServiceProcess, free_port
-from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment as vllm_env, model_dir
+from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
 
 ENGINES = ("vllm", "skillcache-vllm", "embedded")
 WARM_SKILL = "shipping-faq"
@@ -125,8 +126,8 @@ class Engine:
     def start(self, refine: bool) -> str:
         a = self.args
         if self.name != "embedded":
-            heads = self.home / "heads" if self.name == "skillcache-vllm" else None
-            cmd = command(model_dir(_settings()), free_port(), heads, dtype=a.dtype)
+            spans = self.home / "spans" if self.name == "skillcache-vllm" else None
+            cmd = command(model_dir(_settings()), free_port(), spans, dtype=a.dtype)
             self.vllm = VllmProcess(cmd, vllm_env(a.kv_cache_gib), self.home / f"{self.name}-vllm.log").start()
             self.vllm.wait_ready(900)
             if self.name == "vllm":
@@ -134,9 +135,11 @@ class Engine:
         threads = a.threads if self.vllm is None else a.sc_vllm_threads  # as make run-vllm runs it
         env = {"SKILLCACHE_SKILLS_DIR": str(self.home / "skills"), "SKILLCACHE_TORCH_THREADS": str(threads),
                "SKILLCACHE_REFINE_AFTER": "1" if refine else "0"}
-        if self.vllm is not None:
+        if self.vllm is not None:  # refinement on vLLM as shipped (after SKILLCACHE_VLLM_REFINE_AFTER uses), or off
             env.update(SKILLCACHE_ENGINE="vllm", SKILLCACHE_VLLM_URL=self.vllm.url, SKILLCACHE_VLLM_DTYPE=a.dtype,
-                       SKILLCACHE_VLLM_HEADS_DIR=str(self.home / "heads"))
+                       SKILLCACHE_VLLM_SPANS_DIR=str(self.home / "spans"))
+            if not refine:
+                env["SKILLCACHE_VLLM_REFINE_AFTER"] = "0"
         self.svc = ServiceProcess(self.home / self.name, env, name=self.name, threads=threads).start()
         self.svc.wait_ready(900)
         return self.svc.url
@@ -254,7 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=6, help="arm c: one-stream requests")
-    ap.add_argument("--dtype", default="float32", help="vLLM's --dtype (and the heads')")
+    ap.add_argument("--dtype", default=fastest_dtype()[0], help="vLLM's --dtype (default: the fastest on this machine)")
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="vLLM's cores and the embedded engine's threads")
     ap.add_argument("--sc-vllm-threads", type=int, default=1,

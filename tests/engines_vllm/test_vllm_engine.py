@@ -7,6 +7,7 @@ import pytest
 
 from appclient import make_client
 from service import metrics
+from service.engines import vllm as vllm_engine
 from service.compose.pipeline import ComposeParams, SkillRef
 from service.errors import EngineUnavailable
 from service.vllm.client import Chunk
@@ -165,18 +166,33 @@ def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
     assert approx_salt("other", "d") != approx_salt("default", "d") and exact_salt("other") != exact_salt("default")
 
 
-def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env):
+def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env, monkeypatch):
     c, fake, runner, _ = env
     runner.refine_after = 1
+    monkeypatch.setattr(vllm_engine, "BACKGROUND_CHUNK", 64)
     compose(c, ["b", "a"])
-    composed, prefill = fake.sent[-2:]  # after the response: vLLM prefills the head's ids under the exact salt
-    assert prefill.get("prefill") and prefill["salt"] == "exact:default" and prefill["transfer"] is None
-    assert prefill["priority"] > 0  # behind live requests (vLLM runs --scheduling-policy priority)
-    assert composed["ids"][:len(prefill["ids"])] == prefill["ids"]
-    assert len(prefill["ids"]) == n_head(composed["transfer"])
+    composed = [x for x in fake.sent if not x.get("prefill")][-1]
+    chunks = [x for x in fake.sent if x["salt"] == "exact:default"]  # after the response, under the exact salt
+    assert all(x.get("prefill") and x["transfer"] is None and x["priority"] > 0 for x in chunks)  # behind live work
+    # in chunks of at most 64 new tokens (a step of vLLM's never batches a long background prefill with live ones)
+    ends = [len(x["ids"]) for x in chunks]
+    assert len(chunks) > 1 and ends == sorted(ends) and max(b - a for a, b in zip([0] + ends, ends)) <= 64
+    assert ends[-1] == n_head(composed["transfer"]) and composed["ids"][:ends[-1]] == chunks[-1]["ids"]
     out = compose(c, ["b", "a"], "a new turn")
     assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
     assert out["usage"]["prefix_tokens"] == 0  # the fake's prefix cache is empty: what vLLM reports is what counts
+
+
+def test_background_prefills_wait_while_a_live_request_is_in_flight(env):
+    c, fake, runner, _ = env
+    runner._live = 1  # a live stream in flight
+    runner.refine_after = 1
+    compose(c, ["a", "b"], "first")
+    c.portal.call(__import__("asyncio").sleep, 0.3)
+    assert not [x for x in fake.sent if x["salt"] == "exact:default"]  # the refinement waits
+    runner._live = 0
+    c.portal.call(__import__("asyncio").sleep, 0.3)
+    assert [x for x in fake.sent if x["salt"] == "exact:default"]
 
 
 def test_refinement_waits_for_an_order_seen_often_by_default(env):
