@@ -2,16 +2,20 @@
 engine's on the same cases; and refined heads' greedy continuations against vLLM alone.
 
     python bench/fidelity_vllm.py --json bench/out/fidelity-vllm.json [--cases 24] [--model embedded|<gguf>]
+        [--dtype float32|bfloat16]
 
-One vLLM server (float32, skillcache's connector) and two skillcache services on the same weights: one with
-SKILLCACHE_ENGINE=vllm, one embedded; refinement off in both (every case composed). Cases: the shipped skills in
-orders of two and three, each with a user turn. For each case:
+One vLLM server (--dtype: by default the fastest here, service.vllm.launch.fastest_dtype; skillcache's connector, its
+spans in a temporary folder) and two skillcache services on the same weights: one with SKILLCACHE_ENGINE=vllm, one
+embedded (in its own dtype); refinement off in both (SKILLCACHE_VLLM_REFINE_AFTER=0 and SKILLCACHE_REFINE_AFTER=0:
+every case composed). Cases: the shipped skills in orders of two and three, each with a user turn. For each case:
   reference  vLLM alone computes the whole prompt (a salt no other request uses): its top-1 first token and its
              first --case-tokens greedy tokens (a base model may open every reply alike: the text tells more)
-  vllm       skillcache on vLLM, composed (the head loaded through the connector)
+  vllm       skillcache on vLLM, composed inside vLLM (blocks compiled by vLLM, seams and turn computed by it, the
+             saved K/V copied re-rotated by the connector)
   embedded   skillcache's own engine, composed
-`--refined`: then each order once more through skillcache on vLLM with refinement on, after vLLM has prefilled its
-exact head, against vLLM alone on the same ids: the first --greedy-tokens greedy tokens must be identical.
+`--refined`: then each order once more through skillcache on vLLM with refinement on (SKILLCACHE_VLLM_REFINE_AFTER=1),
+after vLLM has prefilled its exact head, against vLLM alone on the same ids: the first --greedy-tokens greedy tokens
+must be identical.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import httpx
 from peers_work import Prompts
 
 from service.devserver import ROOT, ServiceProcess, free_port
-from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, model_dir
+from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
 
 SHIPPED = ["refund-policy", "shipping-faq", "style-guide", "tool-specs", "account-security", "escalation-playbook"]
 TURNS = ["A customer asks for a refund on a jacket bought 40 days ago. What do I answer?",
@@ -69,6 +73,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="embedded", help="SKILLCACHE_MODEL of both services (a .gguf: converted once)")
     ap.add_argument("--chat-template", default=None, help="SKILLCACHE_CHAT_TEMPLATE (gemma for Gemma-3-270M)")
+    ap.add_argument("--dtype", default=fastest_dtype()[0],
+                    help="vLLM's --dtype and SKILLCACHE_VLLM_DTYPE (default: the fastest here, bfloat16 on a GPU or a "
+                    "CPU with bfloat16 instructions, float32 on other CPUs)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "fidelity-vllm.json"))
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -82,19 +89,20 @@ def main() -> None:
         shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
     from service.config import Settings
 
-    vllm = VllmProcess(command(model_dir(Settings(model=args.model)), free_port(), home / "heads"), environment(),
-                       home / "vllm.log")
+    vllm = VllmProcess(command(model_dir(Settings(model=args.model)), free_port(), home / "spans", dtype=args.dtype),
+                       environment(), home / "vllm.log")
     base = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_REFINE_AFTER": "0",
             "SKILLCACHE_MODEL": args.model, "SKILLCACHE_TORCH_THREADS": "1"}
     if args.chat_template:
         base["SKILLCACHE_CHAT_TEMPLATE"] = args.chat_template
-    out: dict = {"cases": [], "refined": []}
+    on_vllm_env = {**base, "SKILLCACHE_ENGINE": "vllm", "SKILLCACHE_VLLM_DTYPE": args.dtype,
+                   "SKILLCACHE_VLLM_SPANS_DIR": str(home / "spans")}
+    out: dict = {"dtype": args.dtype, "cases": [], "refined": []}
     t0 = time.perf_counter()
     try:
         vllm.start().wait_ready(900)
-        on_vllm = ServiceProcess(home / "sc-vllm", {**base, "SKILLCACHE_ENGINE": "vllm",
-                                                    "SKILLCACHE_VLLM_URL": vllm.url,
-                                                    "SKILLCACHE_VLLM_HEADS_DIR": str(home / "heads")},
+        on_vllm = ServiceProcess(home / "sc-vllm", {**on_vllm_env, "SKILLCACHE_VLLM_URL": vllm.url,
+                                                    "SKILLCACHE_VLLM_REFINE_AFTER": "0"},
                                  name="skillcache-vllm", threads=2).start()
         embedded = ServiceProcess(home / "sc-embedded", base, name="embedded", threads=2).start()
         for svc in (on_vllm, embedded):
@@ -114,10 +122,8 @@ def main() -> None:
                   f"vllm {text_v == ref_text}, embedded {text_e == ref_text}", flush=True)
         on_vllm.stop()
         if args.refined:
-            refined = ServiceProcess(home / "sc-vllm-refined", {**base, "SKILLCACHE_REFINE_AFTER": "1",
-                                                                "SKILLCACHE_ENGINE": "vllm",
-                                                                "SKILLCACHE_VLLM_URL": vllm.url,
-                                                                "SKILLCACHE_VLLM_HEADS_DIR": str(home / "heads")},
+            refined = ServiceProcess(home / "sc-vllm-refined", {**on_vllm_env, "SKILLCACHE_VLLM_URL": vllm.url,
+                                                                "SKILLCACHE_VLLM_REFINE_AFTER": "1"},
                                      name="skillcache-vllm-refined", threads=2).start()
             refined.wait_ready(900)
             for order, user in cases[:args.refined]:

@@ -14,18 +14,19 @@ order_status near the top). Every conversation changes order_status to a value n
   sc-vllm/erratum            skillcache on vLLM, /v1/compose with `fields` (edit_mode erratum, the default)
   sc-vllm/in-place           skillcache on vLLM, edit_mode in_place, mode full: the new value in the prompt's ids and
                              vLLM computes every token it cannot reuse (the paper's in-place text)
-  sc-vllm/in-place-composed  edit_mode in_place, mode compose: skillcache composes a head per conversation (block
-                             copied, the value's tokens recomputed) and vLLM loads it through the connector
+  sc-vllm/in-place-composed  edit_mode in_place, mode compose: a head composed inside vLLM per conversation (the
+                             block vLLM compiled, copied by its connector; the value's tokens computed by vLLM)
   embedded/erratum, embedded/in-place   the same two requests on skillcache's embedded engine (in-place: mode full)
-vLLM alone uses a cache_salt of its own per arm and rate; skillcache runs with refinement, seam calibration and
-shadow checks off (no background work on the clock). One vLLM server (float32, skillcache's connector) serves the
-vLLM arms; it is stopped before the embedded service starts. Per arm and rate, after warm-up requests (not counted,
-not in the counters): Poisson arrivals for --duration-s (longer at a low rate, up to --min-arrivals), then at most
---drain-s to finish (what is left is cancelled and counted with the time it had waited), then the servers idle
-again. Reported: vLLM's prefix-cache hit rate over the window (its prefix_cache_hits / prefix_cache_queries
-counters, prompt tokens; hits are whole KV blocks: --block-size), streamed client-side TTFT p50/p90/p99, completed
-requests/s, and the in-place / erratum ratios. Rates: --rates, else --factors times the in-place capacity that a
-probe measures (1 / one in-place request's latency on vLLM alone).
+vLLM alone uses a cache_salt of its own per arm and rate; skillcache runs with refinement (SKILLCACHE_REFINE_AFTER and,
+on vLLM, SKILLCACHE_VLLM_REFINE_AFTER), seam calibration and shadow checks off (no background work on the clock). One
+vLLM server (--dtype: by default the fastest here, service.vllm.launch.fastest_dtype; skillcache's connector, its spans
+in a temporary folder) serves the vLLM arms; it is stopped before the embedded service starts. Per arm and rate, after
+warm-up requests (not counted, not in the counters): Poisson arrivals for --duration-s (longer at a low rate, up to
+--min-arrivals), then at most --drain-s to finish (what is left is cancelled and counted with the time it had waited),
+then the servers idle again. Reported: vLLM's prefix-cache hit rate over the window (its prefix_cache_hits /
+prefix_cache_queries counters, prompt tokens; hits are whole KV blocks: --block-size), streamed client-side TTFT
+p50/p90/p99, completed requests/s, and the in-place / erratum ratios. Rates: --rates, else --factors times the in-place
+capacity that a probe measures (1 / one in-place request's latency on vLLM alone).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from peers_run import environment
 from peers_vllm import descendants
 
 from service.devserver import ROOT, ServiceProcess, free_port
-from service.vllm.launch import VLLM_PYTHON, VllmProcess, command, environment as vllm_env, model_dir
+from service.vllm.launch import VLLM_PYTHON, VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
 
 ARMS = ["vllm/erratum", "vllm/in-place", "sc-vllm/erratum", "sc-vllm/in-place", "sc-vllm/in-place-composed",
         "embedded/erratum", "embedded/in-place"]
@@ -150,7 +151,7 @@ def main(argv=None) -> None:
     vllm_arms = [a for a in args.arms if not a.startswith("embedded/")]
     emb_arms = [a for a in args.arms if a.startswith("embedded/")]
     block = ["--block-size", str(args.block_size)] if args.block_size else []
-    vllm = VllmProcess(command(model_dir(_settings(args)), free_port(), home / "heads", Path(args.vllm_python),
+    vllm = VllmProcess(command(model_dir(_settings(args)), free_port(), home / "spans", Path(args.vllm_python),
                                args.dtype, extra=block + shlex.split(args.vllm_extra)), vllm_env(args.kv_cache_gib),
                        home / "vllm.log")
     services: list[ServiceProcess] = []  # stopped in any case
@@ -166,7 +167,8 @@ def main(argv=None) -> None:
             sc = start_service(home, "sc-vllm", args, {"threads": args.sc_vllm_threads, "SKILLCACHE_ENGINE": "vllm",
                                                        "SKILLCACHE_VLLM_URL": vllm.url,
                                                        "SKILLCACHE_VLLM_DTYPE": args.dtype,
-                                                       "SKILLCACHE_VLLM_HEADS_DIR": str(home / "heads")}, wl,
+                                                       "SKILLCACHE_VLLM_SPANS_DIR": str(home / "spans"),
+                                                       "SKILLCACHE_VLLM_REFINE_AFTER": "0"}, wl,
                                services)
             pids = descendants(vllm.proc.pid) + descendants(sc.proc.pid)
             asyncio.run(run_arms(vllm_arms, sc.url, vllm.url, pids, wl, rates, out, tag))
@@ -231,13 +233,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--chat-template", default=None)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's CPU KV space (VLLM_CPU_KVCACHE_SPACE)")
-    ap.add_argument("--dtype", default="float32", help="vLLM's --dtype and SKILLCACHE_VLLM_DTYPE (GPU: bfloat16)")
+    ap.add_argument("--dtype", default=fastest_dtype()[0],
+                    help="vLLM's --dtype and SKILLCACHE_VLLM_DTYPE (default: the fastest here, bfloat16 on a GPU or a "
+                    "CPU with bfloat16 instructions, float32 on other CPUs)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM's KV block (its prefix cache hits whole blocks); default vLLM's: 128 on CPU, 16 on GPU")
     ap.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="a python with vLLM (GPU: its GPU build)")
     ap.add_argument("--vllm-extra", default="", help="more vLLM server arguments, e.g. --gpu-memory-utilization 0.5")
     ap.add_argument("--threads", type=int, default=2, help="the embedded engine's torch threads")
-    ap.add_argument("--sc-vllm-threads", type=int, default=1, help="skillcache's torch threads beside vLLM")
+    ap.add_argument("--sc-vllm-threads", type=int, default=1,
+                    help="skillcache's torch threads beside vLLM (it runs no forward pass per request there)")
     ap.add_argument("--settle-s", type=float, default=60.0, help="at most this for the servers to go idle")
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "vllm-online.json"))
     ap.add_argument("--png", default=None, help="e.g. docs/img/vllm-online.png")

@@ -18,7 +18,7 @@ QUESTIONS = [
     "Order A-{i:05d}: the customer asks to cancel and get a refund today. Answer APPROVE or DENY first.",
 ]
 # vLLM 0.32 (vllm/v1/metrics/loggers.py): counters of prompt tokens looked up / found in its prefix cache, and the
-# same for KV loaded through a connector (skillcache's heads)
+# same for KV loaded through a connector (the spans skillcache's connector saved)
 COUNTERS = {"queries": "vllm:prefix_cache_queries_total", "hits": "vllm:prefix_cache_hits_total",
             "ext_queries": "vllm:external_prefix_cache_queries_total",
             "ext_hits": "vllm:external_prefix_cache_hits_total"}

@@ -11,7 +11,9 @@ scripts/install.sh "$VENV"
 scripts/install-vllm.sh .venv-vllm
 PY="$VENV/bin/python"
 VLLM_PORT=${VLLM_PORT:-$("$PY" -c 'from service.devserver import free_port; print(free_port())')}
-export SKILLCACHE_VLLM_HEADS_DIR=${SKILLCACHE_VLLM_HEADS_DIR:-/dev/shm/skillcache-heads}
+# where vLLM's connector keeps the K/V it saves (compiled blocks, composition steps): a tmpfs. service.vllm.launch
+# hands it to the connector (its --spans-dir default is this setting); skillcache's side holds no K/V
+export SKILLCACHE_VLLM_SPANS_DIR=${SKILLCACHE_VLLM_SPANS_DIR:-/dev/shm/skillcache-spans}
 home=${SKILLCACHE_HOME:-$HOME/.cache/skillcache}
 mkdir -p "$home"
 log="$home/vllm.log"
@@ -22,7 +24,8 @@ trap 'kill -TERM -- -$vllm_pid 2>/dev/null || true; wait $vllm_pid 2>/dev/null |
 trap 'exit 130' INT TERM
 echo "run-vllm: vLLM with the skillcache connector on http://127.0.0.1:$VLLM_PORT (log: $log; 1-3 min to start)"
 echo "run-vllm: skillcache on http://$HOST:$PORT, SKILLCACHE_ENGINE=vllm; /readyz says ready once both are up"
-# skillcache composes on one thread beside vLLM: vLLM's worker busy-polls a core for a second after each request
-# (its shm queue), and a two-thread composition then ran 4-5x slower here (docs/OPERATIONS.md, "vLLM engine")
+# skillcache runs no forward pass per request in vLLM mode (vLLM compiles the blocks and computes the seams and the
+# turn); its model only tokenizes, fingerprints and runs the start-up self-check. One torch thread is enough for that
+# and leaves every core to vLLM, whose worker also busy-polls a core for a second after each request (its shm queue)
 SKILLCACHE_ENGINE=vllm SKILLCACHE_VLLM_URL="http://127.0.0.1:$VLLM_PORT" \
   SKILLCACHE_TORCH_THREADS=${SKILLCACHE_TORCH_THREADS:-1} "$PY" -m service --host "$HOST" --port "$PORT"

@@ -48,8 +48,9 @@ class Settings(BaseSettings):
     # engine (service/engines/): who runs the prompt after composition
     engine: Literal["embedded", "vllm"] = Field(
         "embedded", description="embedded: this process's model thread (make run); vllm: a vLLM server runs the "
-        "model, loading each composed head through skillcache's KV connector (make run-vllm, docs/OPERATIONS.md "
-        "'vLLM engine'). Composition still runs here, on the same weights")
+        "model (make run-vllm, docs/OPERATIONS.md 'vLLM engine'). Composition then runs inside vLLM: vLLM compiles "
+        "each block once and computes the seams and the turn, skillcache's KV connector copies the saved K/V "
+        "re-rotated; skillcache plans it and runs no forward pass per request")
     vllm_url: str = Field("http://127.0.0.1:8100", description="the vLLM server's base URL (engine=vllm)")
     vllm_model: str | None = Field(None, description="the model name vLLM serves; unset: the first of its /v1/models")
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -82,7 +82,9 @@ SESSIONS_EXPIRED = Counter("skillcache_sessions_expired_total",
                            "Saved sessions deleted after SKILLCACHE_SESSION_STORE_TTL_S with no turn")
 
 # the vLLM engine (service/engines/vllm.py)
-VLLM_HEADS = Counter("skillcache_vllm_heads_total", "Composed heads for vLLM: composed (published), reused (still in "
-                     "the pool), no_room (pool full of heads in flight: vLLM computed it), rejected (published but "
-                     "vLLM computed it: the connector found it missing, changed or corrupt)", ["outcome"])
+VLLM_HEADS = Counter("skillcache_vllm_heads_total", "Composition inside vLLM: compiled (a block compiled by vLLM, "
+                     "its K/V saved by the connector), composed (a request served with a composed head, loaded "
+                     "re-rotated by the connector), refined (a skill order's exact head prefilled by vLLM at "
+                     "background priority), rejected (vLLM computed head tokens the connector was to load: a span "
+                     "missing or corrupt)", ["outcome"])
 ENGINE_UP = Gauge("skillcache_engine_up", "1 while the engine that runs the model answers (vLLM: its /health)")
