@@ -17,22 +17,12 @@ from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, new_cache
 from service.kv.radix import HeadMatch
+from service.kv.spans import merge_spans as _merge
 from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
 from service.runtime.prompt import PromptPlan, Segment
 
 if TYPE_CHECKING:
     from service.runtime.engine import ModelRuntime
-
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, non-overlapping, non-empty [start, end) spans."""
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(x for x in spans if x[1] > x[0]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def _inside(i: int, spans: list[tuple[int, int]]) -> bool:

@@ -19,6 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from service.kv.spans import merge_spans as _merge
 from service.vllm.transfer import Piece, Save, Transfer
 
 
@@ -33,16 +34,6 @@ class Op:
     @property
     def end(self) -> int:
         return self.at + self.n
-
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(x for x in spans if x[1] > x[0]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def head_ops(segments, bases: list[int], seams: list[int], anchor: list[int]) -> list[Op]:
