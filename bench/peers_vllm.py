@@ -122,6 +122,7 @@ class Engine:
         self.name, self.args, self.home = name, args, home
         self.vllm: VllmProcess | None = None
         self.svc: ServiceProcess | None = None
+        self.memory: list[dict] = []  # service_memory() at each stop: after arm a, after arms b-d
 
     def start(self, refine: bool) -> str:
         a = self.args
@@ -150,7 +151,18 @@ class Engine:
         roots = [p.proc.pid for p in (self.vllm, self.svc) if p is not None and p.proc is not None]
         return [q for r in roots for q in descendants(r)]
 
+    def service_memory(self) -> dict | None:
+        """skillcache's own process (not vLLM's): resident MiB now and at its peak, after what it served."""
+        if self.svc is None or self.svc.proc is None:
+            return None
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.svc.proc.pid}/status").read_text().splitlines()
+                      if ":" in line)
+        mib = lambda k: round(int(fields[k].split()[0]) / 1024, 1)  # noqa: E731  (kB)
+        return {"rss_mib": mib("VmRSS"), "peak_rss_mib": mib("VmHWM")}
+
     def stop(self) -> None:
+        if (mem := self.service_memory()) is not None:
+            self.memory.append(mem)
         for p in (self.svc, self.vllm):
             if p is not None:
                 p.stop()
@@ -216,6 +228,8 @@ async def run_engine(name: str, args, home: Path, prompts: Prompts) -> dict:
                     out["arms"]["d"] = {"summary": summarize(recs, wall), "records": recs}
     finally:
         eng.stop()
+        if eng.memory:
+            out["service_memory"] = eng.memory
     return out
 
 
@@ -297,6 +311,9 @@ def main(argv=None) -> None:
         if "vllm_sources_a" in run:
             print(f"vLLM prompt tokens by source, arm a, {eng}:",
                   {k: round(v) for k, v in run["vllm_sources_a"].items()})
+    for eng, run in out["runs"].items():
+        if "service_memory" in run:
+            print(f"skillcache's process after serving ({eng}): {run['service_memory']}")
     print("p50 TTFT ratios, vllm / skillcache-vllm: " + ", ".join(
         f"{arm} {pct_ratio(out['runs'], arm)}" for arm in "ab"))
 

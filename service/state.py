@@ -61,20 +61,18 @@ class AppState:
     async def _load(self) -> None:
         try:
             if self.runtime is None:
-                from service.runtime import build_runtime
-
-                # on the engine's thread: it owns torch's threads, and what compiles at load compiles for them
-                self.runtime = await self.engine.run(lambda cancelled: build_runtime(self.settings, self.phases))
-            from service.runtime.selfcheck import run_selfcheck
-
-            with self.phases("self-check"):
-                report = await self.engine.run(lambda cancelled: run_selfcheck(self.runtime))
-            self.selfcheck = report.to_dict()
-            if not report.ok:
-                log.error("self-check failed: %s", self.selfcheck)
-                return
+                self.runtime = await self._build_runtime()
             rt = self.runtime
-            await self.engine.run(lambda cancelled: self.engine.bind(rt))
+            if rt.holds_weights:  # the embedded engine: this process runs the model
+                from service.runtime.selfcheck import run_selfcheck
+
+                with self.phases("self-check"):
+                    report = await self.engine.run(lambda cancelled: run_selfcheck(rt))
+                self.selfcheck = report.to_dict()
+                if not report.ok:
+                    log.error("self-check failed: %s", self.selfcheck)
+                    return
+                await self.engine.run(lambda cancelled: self.engine.bind(rt))
             self.registry = SkillRegistry(
                 self.definitions, lambda text: len(rt.prompts.encode_content(text)), rt.fingerprint,
                 self.settings.max_skill_tokens, rt.max_positions,
@@ -84,7 +82,8 @@ class AppState:
                 from service.engines.vllm import VllmEngine
 
                 self.pipeline.use_engine(VllmEngine(self.settings, rt))
-            self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine)
+            self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine,
+                                           refs=self.pipeline.runner.compiles_blocks)
             self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()
             with self.phases("shipped skills: registering and compiling"):
@@ -95,6 +94,18 @@ class AppState:
             self.load_error = f"{type(e).__name__}: {e}"
         finally:
             self.phases.finish(self._ready)
+
+    async def _build_runtime(self):
+        if self.settings.engine == "vllm":  # tokenizer, config, RoPE: vLLM runs the model, no weight is read here
+            from service.runtime import build_spec
+            from service.vllm.launch import resolve_dtype
+
+            dtype = resolve_dtype(self.settings.vllm_dtype)
+            return await asyncio.to_thread(build_spec, self.settings, dtype, self.phases)
+        from service.runtime import build_runtime
+
+        # on the engine's thread: it owns torch's threads, and what compiles at load compiles for them
+        return await self.engine.run(lambda cancelled: build_runtime(self.settings, self.phases))
 
     async def _preload_skills(self) -> None:
         folder = self.settings.skills_dir
@@ -141,6 +152,8 @@ class AppState:
             "model": getattr(getattr(rt, "loaded", None), "name", None),
             "model_fingerprint": getattr(rt, "fingerprint", None),
             "model_loaded": rt is not None,
+            # where the weights are: this process (embedded engine) or vLLM's (this one reads tokenizer and config)
+            "model_weights": None if rt is None else "this process" if rt.holds_weights else "vllm",
             "chat_template": _template_status(rt),
             "selfcheck": self.selfcheck,
             "store": tiers,

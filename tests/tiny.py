@@ -127,6 +127,19 @@ def tiny_runtime(family: str, dtype: torch.dtype = torch.float32, quantization: 
     return ModelRuntime(loaded, fp)
 
 
+def tiny_spec(family: str = "llama"):
+    """What the vLLM engine's process holds of the tiny model: a ModelSpec (no forward passes; the modules moved to
+    the meta device), so a test that reaches for the weights in vLLM mode fails."""
+    from service.runtime.adapters import rotator_for_config
+    from service.runtime.spec import ModelSpec
+
+    cfg = tiny_config(family)
+    loaded = build_random_model(cfg, tiny_tokenizer(), seed=0)
+    fp = model_fingerprint(loaded.model, loaded.tokenizer, [], loaded.dtype)
+    loaded.model.to("meta")
+    return ModelSpec(loaded, fp, rotator_for_config(cfg))
+
+
 def random_ids(n: int, seed: int = 0, vocab: int = 400) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

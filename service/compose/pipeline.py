@@ -19,7 +19,7 @@ from service import metrics
 from service.config import Settings
 from service.compose.auto import AutoHeads
 from service.compose.autoblocks import AutoBlocks
-from service.compose.blockref import BlockRef
+from service.kv.blockref import BlockRef
 from service.compose.edits import SkillEdit, check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded, ServiceError
 from service.compose.guard import FidelityGuard

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from service import metrics
+from service.kv.blockref import BlockRef
 from service.kv.layout import LAYOUT_VERSION
 from service.memory.edits import inplace_layout
 from service.memory.record import MemoryBlock
@@ -18,8 +19,9 @@ from service.store.key import BlockKey
 
 
 class MemoryKV:
-    def __init__(self, runtime, engine, store, chunk: int) -> None:
+    def __init__(self, runtime, engine, store, chunk: int, refs: bool = False) -> None:
         self.rt, self.engine, self.store, self.chunk = runtime, engine, store, chunk
+        self.refs = refs  # the engine compiles blocks itself (vLLM): blocks are BlockRefs, no K/V here
 
     def key(self, namespace: str, content_hash: str) -> BlockKey:
         return BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, content_hash)
@@ -31,6 +33,9 @@ class MemoryKV:
         """(KVBlock, source) of `b` after its first `upto` in-place edits (None: all of them); source is a tier's
         name or "compiled" (made now)."""
         n = len(b.patches) if upto is None else upto
+        if self.refs:  # vLLM compiles the block as its text is now: an in-place edit is a compile there
+            text = b.patches[n - 1]["text"] if n else b.base
+            return BlockRef(self.rt.prompts.encode_content(text), len(self.rt.anchor)), "engine"
         kept = n == 0 or upto is None  # the compiled block and the current one; not the steps between
 
         async def make():

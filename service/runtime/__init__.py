@@ -1,4 +1,5 @@
-"""The only stage that touches the model: loading, fingerprint, prompts, prefill, decoding."""
+"""The only stage that touches the model: loading, fingerprint, prompts, prefill, decoding. build_runtime loads the
+weights (the embedded engine); build_spec reads the rest only (the vLLM engine: vLLM runs the model)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,26 @@ from contextlib import nullcontext
 from service.config import Settings
 
 log = logging.getLogger(__name__)
+
+
+def build_spec(settings: Settings, dtype: str, phase=None):
+    """The vLLM engine's model: a ModelSpec (tokenizer, prompts, config, RoPE, fingerprint) with no weights read;
+    vLLM runs the model. Its fingerprint hashes the weight files and names `dtype`, the one vLLM runs in."""
+    phase = phase or (lambda name: nullcontext())
+    import torch
+
+    from service.runtime.adapters import rotator_for_config
+    from service.runtime.fingerprint import model_fingerprint
+    from service.runtime.loader import load_headless
+    from service.runtime.spec import ModelSpec
+    from service.runtime.templates import use_chat_template
+
+    digests = settings.home / "fingerprints.json"
+    with phase("reading the model's tokenizer and config (vLLM runs the model)"):
+        loaded = load_headless(settings.model, settings.models_dir, getattr(torch, dtype), digests)
+    loaded.chat_template = use_chat_template(loaded, settings.chat_template)
+    fp = model_fingerprint(loaded.model, loaded.tokenizer, loaded.source_files, loaded.dtype, digests)
+    return ModelSpec(loaded, fp, rotator_for_config(loaded.model.config))
 
 
 def build_runtime(settings: Settings, phase=None):

@@ -10,15 +10,15 @@ from typing import Any, Literal
 import torch
 from transformers import DynamicCache
 
-from service.errors import ContextTooLong, InvalidRequest
+from service.errors import InvalidRequest
 from service.kv.block import KVBlock
 from service.kv.cache import append_kv, block_from_cache, cache_bytes, new_cache, truncate
 from service.kv.radix import HeadMatch
-from service.kv.rope import KeyRotator
 from service.runtime import attention
 from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
-from service.runtime.prompt import PromptBuilder, PromptPlan
+from service.runtime.prompt import PromptPlan
+from service.runtime.spec import ModelSpec
 
 Mode = Literal["compose", "full"]
 BACKGROUND_CHUNK_TOKENS = 128  # tokens per background prefill step: Settings.background_chunk_tokens's default
@@ -62,28 +62,17 @@ def run_steps(steps: Steps) -> Any:
             return done.value
 
 
-class ModelRuntime:
+class ModelRuntime(ModelSpec):
+    holds_weights = True
+
     def __init__(self, loaded: LoadedModel, fingerprint: str, kernel_attention: bool = True) -> None:
-        self.loaded = loaded
+        super().__init__(loaded, fingerprint, build_rotator(loaded.model))
         self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.fingerprint = fingerprint
-        self.device = loaded.device
-        self.config = self.model.config.get_text_config(decoder=True)
-        self.max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
-        self.prompts = PromptBuilder(self.tokenizer)
-        self.anchor = self.prompts.skill_anchor()  # what precedes the first skill in every prompt
         self._anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # L x [1, H_kv, A, D], lazily
         self._bytes_per_token: int | None = None
-        self.rotator: KeyRotator = build_rotator(self.model)  # family adapter; UnsupportedModel if none fits
         # few-query forwards (decode steps, tails, seams) on service/runtime/attention.py where it fits the model
         # (SKILLCACHE_ATTENTION_KERNEL; off: the kernel is neither built nor checked)
         self.kernel_attention = kernel_attention and attention.usable(self.model)
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_ids = set(eos)
 
     # ---- forward passes -------------------------------------------------------------------
     @torch.inference_mode()
@@ -195,16 +184,6 @@ class ModelRuntime:
         return self._bytes_per_token
 
     # ---- prompt cache ---------------------------------------------------------------------
-    def check_length(self, n_prompt: int, max_new_tokens: int, mode: Mode) -> None:
-        total = n_prompt + max_new_tokens
-        if self.max_positions and total > self.max_positions:
-            raise ContextTooLong(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
-                f"model's context of {self.max_positions} tokens; use fewer or shorter skills or lower max_tokens"
-            )
-        if mode == "compose":
-            self.rotator.check_positions(total - 1)
-
     def prefill(self, plan: PromptPlan, blocks: list[KVBlock], mode: Mode = "compose",
                 seam_tokens: int | list[int] = 4, prefix: KVBlock | None = None) -> PrefillResult:
         """prefill_steps run inline, each text run in one forward."""

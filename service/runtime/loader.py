@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from service.errors import ModelLoadError
 from service.runtime.adapters import model_class_for
@@ -23,7 +23,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class LoadedModel:
-    model: PreTrainedModel
+    model: PreTrainedModel  # load_headless: on the meta device (config and generation config, no weights)
     tokenizer: PreTrainedTokenizerBase
     name: str  # what /v1/models reports
     source_files: list[Path]  # files whose bytes define the weights (for the fingerprint)
@@ -96,6 +96,33 @@ def load_model(model: str, models_dir: Path, device: str = "auto", dtype: str = 
     return LoadedModel(model=m, tokenizer=tok, name=name, source_files=files, device=dev, dtype=dt)
 
 
+def load_headless(model: str, models_dir: Path, dtype: torch.dtype, digest_cache: Path | None = None) -> LoadedModel:
+    """`model`'s tokenizer, config and generation config, its modules on the meta device: no weight is read (another
+    process runs the model: the vLLM engine). A GGUF is converted once if it has not been (make run-vllm converts
+    before vLLM starts); otherwise a local HF folder, the form vLLM serves."""
+    gguf = gguf_source(model)
+    if gguf is not None:
+        path, name, files = convert_gguf(gguf, models_dir, digest_cache), gguf.name, [gguf.path]
+    else:
+        path, name = Path(model).expanduser(), model
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"SKILLCACHE_MODEL={model!r}: the vLLM engine needs the embedded model, a .gguf file "
+                                 "or a local HF folder (the one vLLM serves)")
+        files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+        if not files:  # the fingerprint hashes the weight files' bytes
+            raise ModelLoadError(f"SKILLCACHE_MODEL={model!r}: no *.safetensors or *.bin weights in the folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        cfg = AutoConfig.from_pretrained(str(path))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model {model!r}: {e}") from e
+    with torch.device("meta"):
+        m = model_class_for(cfg).from_config(cfg, dtype=dtype).eval()
+    if (path / "generation_config.json").is_file():
+        m.generation_config = GenerationConfig.from_pretrained(str(path))
+    return LoadedModel(model=m, tokenizer=tok, name=name, source_files=files, device=torch.device("cpu"), dtype=dtype)
+
+
 def build_random_model(config, tokenizer: PreTrainedTokenizerBase, seed: int = 0, dtype=torch.float32) -> LoadedModel:
     """A random-weight model from a config: tests and GPU benchmarks need structure, not quality."""
     torch.manual_seed(seed)
@@ -106,4 +133,4 @@ def build_random_model(config, tokenizer: PreTrainedTokenizerBase, seed: int = 0
     )
 
 
-__all__ = ["LoadedModel", "load_model", "build_random_model", "gguf_source", "AutoConfig"]
+__all__ = ["LoadedModel", "load_model", "load_headless", "build_random_model", "gguf_source", "AutoConfig"]

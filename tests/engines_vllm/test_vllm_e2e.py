@@ -16,9 +16,11 @@ import time
 import httpx
 import pytest
 
-from appclient import make_client
+from fastapi.testclient import TestClient
+
 from embedded_model import embedded_settings
 from service.devserver import free_port
+from service.main import create_app
 from service.tools.render import ToolPrompt
 from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
 from vllm_env import vllm_python_or_skip
@@ -50,9 +52,13 @@ def vllm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(vllm, embedded_runtime, tmp_path_factory):
-    with make_client(tmp_path_factory.mktemp("sc"), runtime=embedded_runtime, engine="vllm", vllm_url=vllm.url,
-                     seam_tokens=4) as c:
+def client(vllm, tmp_path_factory):
+    # as make run-vllm starts it: the service reads the tokenizer and config only (no weights: test_no_weights.py)
+    settings = embedded_settings(home=tmp_path_factory.mktemp("sc"), model_cache=embedded_settings().models_dir,
+                                 store="disk", skills_dir=None, engine="vllm", vllm_url=vllm.url, seam_tokens=4,
+                                 vllm_dtype=fastest_dtype()[0], seam_auto=False, shadow_sample_rate=0.0,
+                                 refine_after=0, auto_reuse=False)
+    with TestClient(create_app(settings)) as c:
         deadline = time.monotonic() + 300
         while c.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, c.get("/readyz").json()

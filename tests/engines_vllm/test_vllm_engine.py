@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from appclient import make_client
+from tiny import tiny_spec
 from service import metrics
 from service.engines import vllm as vllm_engine
 from service.compose.pipeline import ComposeParams, SkillRef
@@ -64,7 +65,7 @@ class FakeVllm:
 @pytest.fixture
 def env(tmp_path):
     fake = FakeVllm()
-    with make_client(tmp_path, engine="vllm") as c:
+    with make_client(tmp_path, runtime=tiny_spec(), engine="vllm") as c:  # no weights, as make run-vllm runs
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         state.pipeline.runner.client = fake
@@ -353,7 +354,7 @@ def test_sections_stay_text_on_vllm_where_its_prefix_cache_serves_the_prompt_exa
     from tests.compose.test_sections import section
 
     fake = FakeVllm()
-    with make_client(tmp_path, engine="vllm", auto_reuse=True) as c:
+    with make_client(tmp_path, runtime=tiny_spec(), engine="vllm", auto_reuse=True) as c:
         state = c.app.state.skillcache
         c.portal.call(state.wait_ready)
         state.pipeline.runner.client = fake
