@@ -17,7 +17,7 @@ from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, new_cache
 from service.kv.radix import HeadMatch
-from service.kv.spans import merge_spans as _merge
+from service.kv.plan import plan_ops
 from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
 from service.runtime.prompt import PromptPlan, Segment
 
@@ -54,14 +54,18 @@ class Composer:
             append_kv(cache, prefix.keys, prefix.values)  # L x [1, H_kv, N, D], copied
         return rest + plan.segments[i + 1:]
 
-    def _starts_at_anchor(self, plan: PromptPlan, blocks: list[KVBlock]) -> bool:
-        """The prompt opens with the anchor and then its first skill, compiled after that same anchor."""
-        a = len(self.rt.anchor)
-        if not a or len(plan.segments) < 2:
-            return False
-        text, skill = plan.segments[0], plan.segments[1]
-        return (text.kind == "text" and text.ids == self.rt.anchor and skill.kind == "skill"
-                and blocks[skill.skill_index].base == a)
+    @staticmethod
+    def _check_ids(segments: list[Segment], blocks: list[KVBlock], seams: dict[int, int]) -> None:
+        """Each skill's block spells the prompt's ids, outside the spans it computes (its seam, edited spans)."""
+        for seg in segments:
+            if seg.kind != "skill":
+                continue
+            block = blocks[seg.skill_index]
+            if len(block.token_ids) != len(seg.ids):
+                raise InternalError("block ids differ from the prompt's skill ids")
+            spans = [(0, seams[seg.skill_index]), *seg.recompute]
+            if any(a != b and not _inside(i, spans) for i, (a, b) in enumerate(zip(block.token_ids, seg.ids))):
+                raise InternalError("block ids differ from the prompt's skill ids outside edited spans")
 
     @torch.inference_mode()
     def steps(
@@ -98,16 +102,13 @@ class Composer:
                                  n_exact=plan.n_tokens)
         pending: list[int] = []  # ids waiting to run; they end at position `pos`
         pos = n_reused = n_prefix = 0
-        n_exact: int | None = None  # where the first re-rotated copy starts
-        seams_used: dict[int, int] = {}
         t_rotate = t_text = 0.0
-        segments, exact_first = plan.segments, None
+        segments = plan.segments
         if prefix is not None:
             segments = self._skip_prefix(plan, prefix, cache)
             pos = n_prefix = prefix.n_tokens
-        elif self._starts_at_anchor(plan, blocks):
-            self.rt._append_anchor(cache)
-            pos, segments, exact_first = len(self.rt.anchor), plan.segments[1:], plan.segments[1].skill_index
+        ops = plan_ops(segments, [b.base for b in blocks], seam_tokens, self.rt.anchor, start=pos)
+        self._check_ids(segments, blocks, ops.seams)
 
         def flush():
             nonlocal pending, t_text
@@ -117,33 +118,21 @@ class Composer:
                 t_text += time.perf_counter() - t1
                 pending = []
 
-        for seg in segments:
-            if seg.kind == "text":
-                pending.extend(seg.ids)
-                pos += len(seg.ids)
+        for op in ops.ops:
+            if op.kind == "compute":
+                pending.extend(plan.ids[op.at:op.end])
+                pos = op.end
                 continue
-            block = blocks[seg.skill_index]
-            if len(block.token_ids) != len(seg.ids):
-                raise InternalError("block ids differ from the prompt's skill ids")
-            # spans run through the model with the prompt's ids: the seam, then any edited field spans
-            seam = seam_tokens[seg.skill_index] if isinstance(seam_tokens, list) else seam_tokens
-            if seg.skill_index == exact_first and not seg.recompute:  # edited: tokens after the edit are stale
-                seam = 0
-            seams_used[seg.skill_index] = min(seam, block.n_tokens)
-            spans = _merge([(0, seams_used[seg.skill_index]), *seg.recompute])
-            if any(a != b for i, (a, b) in enumerate(zip(block.token_ids, seg.ids)) if not _inside(i, spans)):
-                raise InternalError("block ids differ from the prompt's skill ids outside edited spans")
-            start, cursor = pos, 0  # start: the block's offset in the prompt
-            for s, e in spans + [(block.n_tokens, block.n_tokens)]:
-                if s > cursor:  # copy block tokens [cursor, s), moved to start + i
-                    if n_exact is None and not (seg.skill_index == exact_first and not seg.recompute):
-                        n_exact = start + cursor
-                    yield from flush()
-                    t1 = time.perf_counter()
-                    n_reused += append_block(cache, block, cursor, s, offset=start, rotator=self.rt.rotator)
-                    t_rotate += time.perf_counter() - t1
-                pending.extend(seg.ids[s:e])
-                pos, cursor = start + e, max(cursor, e)
+            yield from flush()
+            block = blocks[op.block]
+            lo = op.src - block.base  # the copy's first index in the block; below 0: the anchor it was compiled after
+            t1 = time.perf_counter()
+            if lo < 0:
+                self.rt._append_anchor(cache)  # op.at == 0, op.n == the anchor's length
+            else:
+                n_reused += append_block(cache, block, lo, lo + op.n, offset=op.at - lo, rotator=self.rt.rotator)
+            t_rotate += time.perf_counter() - t1
+            pos = op.end
         if not pending:
             raise InternalError("the prompt must end with text after the last skill")
         deferred = defer_tail and len(pending) <= tail_limit
@@ -154,5 +143,5 @@ class Composer:
         timings = {"prefill_ms": total_ms, "rotate_ms": t_rotate * 1e3, "text_ms": t_text * 1e3,
                    "tail_ms": t_tail * 1e3}
         return PrefillResult(cache, logits, plan.n_tokens, n_reused, plan.n_tokens - n_reused - n_prefix, timings,
-                             n_prefix, seams_used, pending if deferred else None, pos - len(pending),
-                             plan.n_tokens if n_exact is None else n_exact)
+                             n_prefix, ops.seams, pending if deferred else None, pos - len(pending),
+                             plan.n_tokens if ops.n_exact is None else ops.n_exact)

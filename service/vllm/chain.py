@@ -1,9 +1,7 @@
 """A composed head as vLLM runs it: which tokens are copied from saved blocks, which vLLM computes, in what steps.
 
-The same composition the embedded engine's Composer builds (service/runtime/composer.py): a first skill right after
-the anchor it was compiled after is copied as is (the anchor with it); every other block is copied re-rotated to its
-offset except its first `seam` tokens and its edited spans, which are computed against what precedes them, as is
-the text between blocks. The head ends with the last copied token; vLLM computes the rest of the prompt.
+The plan is the one the embedded engine's Composer executes (service/kv/plan.py: what is copied, rotated, computed).
+The head ends with the last copied token; vLLM computes the rest of the prompt.
 
 vLLM's connector is prefix-only (tokens [0, n) loaded, the rest computed), so computed tokens *between* copies take a
 chain of vLLM steps: step j is a request for the prompt up to the end of the j-th computed run, loading everything
@@ -19,60 +17,26 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from service.kv.spans import merge_spans as _merge
+from service.kv.plan import Op, plan_ops
 from service.vllm.transfer import Piece, Save, Transfer
 
 
-@dataclass(frozen=True)
-class Op:
-    kind: str  # "copy" | "compute"
-    at: int  # first prompt position
-    n: int
-    block: int | None = None  # copy: the block's index in the request's blocks
-    src: int = 0  # copy: the canonical position of its first token in the block's record
-
-    @property
-    def end(self) -> int:
-        return self.at + self.n
-
-
 def head_ops(segments, bases: list[int], seams: list[int], anchor: list[int]) -> list[Op]:
-    """The head's ops in prompt order, up to the last copied token (none: nothing to copy, vLLM computes it all).
-    segments: the plan's (kind, ids, skill_index, recompute); bases[i]: block i's canonical start (the anchor's length
-    when compiled after it); seams[i]: tokens of block i computed at its start."""
-    ops: list[Op] = []
-    pos = 0
-    first = 0
-    segs = list(segments)
-    if (len(segs) >= 2 and anchor and segs[0].kind == "text" and segs[0].ids == anchor and segs[1].kind == "skill"
-            and bases[segs[1].skill_index] == len(anchor) and not segs[1].recompute):
-        n = len(anchor) + len(segs[1].ids)  # the anchor and the first skill, exactly as compiled
-        ops.append(Op("copy", 0, n, segs[1].skill_index, 0))
-        pos, first = n, 2
-    for seg in segs[first:]:
-        if seg.kind == "text":
-            ops.append(Op("compute", pos, len(seg.ids)))
-            pos += len(seg.ids)
-            continue
-        i, n = seg.skill_index, len(seg.ids)
-        spans = _merge([(0, min(seams[i], n)), *seg.recompute])
-        cursor = 0
-        for s, e in spans + [(n, n)]:
-            if s > cursor:
-                ops.append(Op("copy", pos + cursor, s - cursor, i, bases[i] + cursor))
-            if e > s:
-                ops.append(Op("compute", pos + s, e - s))
-            cursor = max(cursor, e)
-        pos += n
+    """The head of the composition plan (service/kv/plan.py), up to its last copied token (none: nothing to copy,
+    vLLM computes it all): what vLLM's connector loads and the steps compute. Copies of one record that follow each
+    other (the anchor and the first skill after it) are one piece."""
+    ops = plan_ops(segments, bases, seams, anchor).ops
     while ops and ops[-1].kind == "compute":
         ops.pop()
-    merged: list[Op] = []
-    for op in ops:  # adjacent computed runs are one run
-        if merged and op.kind == "compute" and merged[-1].kind == "compute" and op.n:
-            merged[-1] = Op("compute", merged[-1].at, merged[-1].n + op.n)
-        elif op.n:
-            merged.append(op)
-    return merged
+    out: list[Op] = []
+    for op in ops:
+        last = out[-1] if out else None
+        if (last is not None and op.kind == "copy" and last.kind == "copy" and op.block == last.block
+                and op.at == last.end and op.src == last.src + last.n):
+            out[-1] = Op("copy", last.at, last.n + op.n, op.block, last.src, last.exact and op.exact)
+        else:
+            out.append(op)
+    return out
 
 
 def block_name(namespace: str, fingerprint: str, base_ids: list[int], ids: list[int]) -> str:

@@ -66,7 +66,7 @@ def test_clip_keeps_the_pieces_parts_inside_the_window_at_their_own_positions():
 def test_the_first_skill_after_its_anchor_is_one_exact_copy_anchor_included():
     segs = [Segment("text", list(ANCHOR)), skill(0, 30), text(5)]
     ops = head_ops(segs, bases=[len(ANCHOR)], seams=[3], anchor=ANCHOR)
-    assert ops == [Op("copy", 0, 34, 0, 0)]  # no seam: it is where it was compiled; the trailing text is vLLM's
+    assert ops == [Op("copy", 0, 34, 0, 0, exact=True)]  # no seam: it is where it was compiled; the trailing text is vLLM's
 
 
 def test_a_first_skill_with_other_text_before_it_is_not_copied_whole():
@@ -78,7 +78,7 @@ def test_a_first_skill_with_other_text_before_it_is_not_copied_whole():
 def test_a_second_skill_gets_its_seam_computed_then_the_rest_copied_from_base_plus_seam():
     segs = [Segment("text", list(ANCHOR)), skill(0, 30), skill(1, 20)]
     ops = head_ops(segs, bases=[4, 4], seams=[3, 5], anchor=ANCHOR)
-    assert ops == [Op("copy", 0, 34, 0, 0), Op("compute", 34, 5), Op("copy", 39, 15, 1, 4 + 5)]
+    assert ops == [Op("copy", 0, 34, 0, 0, exact=True), Op("compute", 34, 5), Op("copy", 39, 15, 1, 4 + 5)]
     assert ops[-1].end == sum(len(s.ids) for s in segs)
 
 
@@ -88,7 +88,7 @@ def test_edited_spans_inside_a_block_are_computed_runs_and_text_between_blocks_i
     ops = head_ops(segs, bases=[4, 4], seams=[2, 2], anchor=ANCHOR)
     b = 34 + 6  # the second block's first position
     assert ops == [
-        Op("copy", 0, 34, 0, 0),
+        Op("copy", 0, 34, 0, 0, exact=True),
         Op("compute", 34, 6 + 2),  # the text between the blocks and the block's seam: adjacent runs merge
         Op("copy", b + 2, 8, 1, 4 + 2),
         Op("compute", b + 10, 4),
@@ -101,14 +101,15 @@ def test_edited_spans_inside_a_block_are_computed_runs_and_text_between_blocks_i
 def test_an_edit_that_overlaps_the_seam_or_the_block_end_merges_and_trailing_runs_are_dropped():
     segs = [Segment("text", list(ANCHOR)), skill(0, 10), skill(1, 20, recompute=[(1, 6), (15, 20)]), text(3)]
     ops = head_ops(segs, bases=[4, 4], seams=[0, 3], anchor=ANCHOR)
-    assert ops == [Op("copy", 0, 14, 0, 0), Op("compute", 14, 6), Op("copy", 20, 9, 1, 4 + 6)]
+    assert ops == [Op("copy", 0, 14, 0, 0, exact=True), Op("compute", 14, 6), Op("copy", 20, 9, 1, 4 + 6)]
     assert all(op.n > 0 for op in ops)
 
 
 def test_an_edited_first_skill_is_not_copied_whole_and_nothing_to_copy_is_no_head():
     segs = [Segment("text", list(ANCHOR)), skill(0, 10, recompute=[(4, 6)])]
     ops = head_ops(segs, bases=[4], seams=[0], anchor=ANCHOR)
-    assert ops == [Op("compute", 0, 4), Op("copy", 4, 4, 0, 4), Op("compute", 8, 2), Op("copy", 10, 4, 0, 10)]
+    # the anchor and the skill up to its edit are one piece of its record, but not exact (stale after the edit)
+    assert ops == [Op("copy", 0, 8, 0, 0), Op("compute", 8, 2), Op("copy", 10, 4, 0, 10)]
     assert head_ops([text(5), Segment("skill", [7, 8], 0, [(0, 2)])], [0], [0], ANCHOR) == []
     assert head_ops([text(5)], [], [], ANCHOR) == []
 
@@ -117,7 +118,7 @@ def test_an_edited_first_skill_is_not_copied_whole_and_nothing_to_copy_is_no_hea
 
 
 def test_the_chain_has_one_step_per_computed_run_each_loading_everything_before_it_and_saving_it():
-    ops = [Op("copy", 0, 34, 0, 0), Op("compute", 34, 8), Op("copy", 42, 8, 1, 6), Op("compute", 50, 4),
+    ops = [Op("copy", 0, 34, 0, 0, exact=True), Op("compute", 34, 8), Op("copy", 42, 8, 1, 6), Op("compute", 50, 4),
            Op("copy", 54, 16, 1, 18)]
     ch = Chain.build(ops, ["blk-a", "blk-b"], "d1")
     assert ch.n_head == 70 and ch.n_copied == 34 + 8 + 16 and ch.digest == "d1"
