@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.vllm.paged import LayoutError, SlotIndex, learn
-from service.vllm.spans import SpanError, SpanStore, model_key
+from service.vllm.spans import SpanError, SpanStore, model_key, remote_tier
 from service.vllm.transfer import Piece, Transfer, TransferError
 
 if TYPE_CHECKING:
@@ -99,9 +99,10 @@ class SkillcacheConnector(KVConnectorBase_V1):
         dtype = str(vllm_config.cache_config.cache_dtype)
         dtype = str(mc.dtype).removeprefix("torch.") if dtype == "auto" else dtype
         key = model_key(str(mc.model), dtype, mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size())
-        store = SpanStore(Path(extra.get("spans_dir", DEFAULT_SPANS_DIR)), key, getattr(pc, "rank", 0),
+        store = SpanStore(Path(extra.get("spans_dir", DEFAULT_SPANS_DIR)), key, _tp_rank(role, pc),
                           pc.tensor_parallel_size, int(extra.get("cache_bytes", 512 * 1024**2)),
-                          int(extra.get("max_bytes", DEFAULT_MAX_BYTES)))
+                          int(extra.get("max_bytes", DEFAULT_MAX_BYTES)),
+                          remote_tier(extra))
         self._setup(store, vllm_config.cache_config.block_size, lambda: _rotator(mc.hf_config))
 
     def _setup(self, store: SpanStore, block_size: int, rotator_fn) -> None:
@@ -293,6 +294,17 @@ class SkillcacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+
+def _tp_rank(role: KVConnectorRole, pc: Any) -> int:
+    """This worker's tensor-parallel rank: which K/V heads its cache holds and its records name (`.tp<size>r<rank>`).
+    Each rank saves and loads its own heads; where vLLM has fewer K/V heads than ranks it replicates them (rank r holds
+    head r // (size / heads)), and each rank saves its copy. The scheduler side reads rank 0's headers only."""
+    if role != KVConnectorRole.WORKER:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def _rotator(hf_config):

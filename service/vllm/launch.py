@@ -1,10 +1,13 @@
 """Start a vLLM server that loads skillcache's connector: one command line for `make run-vllm`, the tests and bench.
 
     python -m service.vllm.launch [--port P] [--python .venv-vllm/bin/python] [--spans-dir D] [--dtype auto]
+                                  [--tp N]
 
 serves the model skillcache is configured with (SKILLCACHE_MODEL; the embedded GGUF is converted once into the HF
 folder vLLM reads) under the name `skillcache`, in the dtype vLLM runs fastest on this machine (fastest_dtype; one
-setting overrides), with skillcache's connector and priority scheduling.
+setting overrides), with skillcache's connector and priority scheduling. `--tp N` (default: env VLLM_TP, else 1):
+vLLM's tensor parallelism, N ranks as processes on the CPU build; each rank's connector saves and loads its own K/V
+heads (environment() says how the ranks get cores).
 vLLM runs in its own venv (scripts/install-vllm.sh); this module only builds its command and environment.
 """
 
@@ -39,12 +42,16 @@ def model_dir(settings) -> Path:
     return path
 
 
-def connector_config(spans_dir: Path) -> str:
+def connector_config(spans_dir: Path, redis_url: str | None = None) -> str:
     """kv_both: the connector loads spans into requests and saves the spans vLLM computes (service/vllm/connector.py);
-    a load that fails is recomputed by vLLM, never served."""
+    a load that fails is recomputed by vLLM, never served. redis_url: the shared tier behind the spans dir (replicas
+    share their records through it: service/vllm/spans.py)."""
+    extra: dict[str, str] = {"spans_dir": str(spans_dir)}
+    if redis_url:
+        extra["redis_url"] = redis_url
     return json.dumps({"kv_connector": "SkillcacheConnector", "kv_connector_module_path": "service.vllm.connector",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"spans_dir": str(spans_dir)}})
+                       "kv_connector_extra_config": extra})
 
 
 def cpu_flags() -> set[str]:
@@ -88,15 +95,18 @@ def resolve_dtype(setting: str) -> str:
 
 
 def command(model: Path, port: int, spans_dir: Path | None, python: Path = VLLM_PYTHON, dtype: str = "float32",
-            host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
+            host: str = "127.0.0.1", extra: list[str] | None = None, redis_url: str | None = None,
+            tp: int = 1) -> list[str]:
     """vLLM's OpenAI server; spans_dir None: vLLM alone (no connector), for the side-by-side benchmark. With the
     connector, priority scheduling: skillcache sends its background work (compiles, refinements) behind live
     requests."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype, "--enable-prompt-tokens-details",
            "--disable-uvicorn-access-log"]
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
     if spans_dir is not None:
-        cmd += ["--kv-transfer-config", connector_config(spans_dir), "--scheduling-policy", "priority"]
+        cmd += ["--kv-transfer-config", connector_config(spans_dir, redis_url), "--scheduling-policy", "priority"]
     arch = causal_lm_architecture(model)
     if arch is not None:  # a folder converted before its config named one: vLLM would guess another head
         cmd += ["--hf-overrides", json.dumps({"architectures": [arch]})]
@@ -117,13 +127,39 @@ def causal_lm_architecture(model: Path) -> str | None:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
 
 
-def environment(kv_cache_gib: int = 2, cores: str | None = None) -> dict[str, str]:
-    """The connector imported from this checkout; vLLM's CPU KV space and cores."""
+def environment(kv_cache_gib: int = 2, cores: str | None = None, tp: int = 1) -> dict[str, str]:
+    """The connector imported from this checkout; vLLM's CPU KV space and cores (set ones are kept).
+
+    vLLM's CPU build runs each tensor-parallel rank as a process with its own OpenMP threads, bound to one
+    `|`-separated core list per rank (VLLM_CPU_OMP_THREADS_BIND; its `auto` wants a NUMA node per rank). TP > 1 with
+    at least a core per rank: the cores split evenly. TP above the core count (TP 3 on 2 cores): no split gives every
+    rank a core of its own, and ranks bound to the same core would each spin their threads on it, so `nobind` (the
+    OS schedules the ranks) and one OpenMP thread per rank (OMP_NUM_THREADS=1: vLLM sets none under nobind, and
+    each rank would start a thread per core)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores or f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    n = os.cpu_count() or 1
+    if cores is None and tp > n:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    elif cores is None and tp > 1:
+        per = n // tp
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(f"{r * per}-{(r + 1) * per - 1}" for r in range(tp)))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores or f"0-{max(0, n - 1)}")
     return env
+
+
+def tp_size(setting: str | None = None) -> int:
+    """VLLM_TP (or the given value): vLLM's tensor-parallel size, 1 when unset."""
+    raw = os.environ.get("VLLM_TP", "") if setting is None else setting
+    try:
+        n = int(raw.strip() or 1)
+    except ValueError:
+        raise SystemExit(f"VLLM_TP must be a whole number of ranks, not {raw!r}") from None
+    if n < 1:
+        raise SystemExit(f"VLLM_TP must be at least 1, not {n}")
+    return n
 
 
 class VllmProcess:
@@ -174,15 +210,18 @@ def main() -> None:
     ap.add_argument("--spans-dir", type=Path, default=None, help="default: SKILLCACHE_VLLM_SPANS_DIR")
     ap.add_argument("--dtype", default=None, help="default: SKILLCACHE_VLLM_DTYPE (auto: the fastest here)")
     ap.add_argument("--print-model-dir", action="store_true", help="convert if needed, print the folder, exit")
+    ap.add_argument("--tp", type=tp_size, default=None, help="vLLM's tensor-parallel size (default: VLLM_TP, else 1)")
     args, extra = ap.parse_known_args()
+    tp = args.tp if args.tp is not None else tp_size()
     settings = Settings()
     model = model_dir(settings)
     if args.print_model_dir:
         print(model)
         return
     cmd = command(model, args.port, args.spans_dir or settings.vllm_spans_dir, args.python,
-                  resolve_dtype(args.dtype or settings.vllm_dtype), extra=extra)
-    os.execve(cmd[0], cmd, environment())  # replaces this process: signals reach vLLM directly
+                  resolve_dtype(args.dtype or settings.vllm_dtype), extra=extra, redis_url=settings.vllm_spans_redis,
+                  tp=tp)
+    os.execve(cmd[0], cmd, environment(tp=tp))  # replaces this process: signals reach vLLM directly
 
 
 if __name__ == "__main__":

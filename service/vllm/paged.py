@@ -58,8 +58,7 @@ def _block_dim(shape: torch.Size, num_blocks: int) -> int:
 def learn(cache: torch.Tensor, num_blocks: int, block_size: int, n_heads: int, head_dim: int, write: Write
           ) -> SlotIndex:
     """The SlotIndex of `cache` (one layer's paged cache) under `write`, learned on a one-block scratch copy."""
-    if max(block_size, n_heads, head_dim) + 1 > 256 or cache.dtype not in (torch.float32, torch.bfloat16,
-                                                                            torch.float16):
+    if max(block_size, n_heads, head_dim) > 256 or cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise LayoutError(f"cannot learn a {cache.dtype} cache of block {block_size}, {n_heads} heads of {head_dim}")
     bd = _block_dim(cache.shape, num_blocks)
     shape = list(cache.shape)

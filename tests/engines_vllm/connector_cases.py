@@ -171,8 +171,9 @@ def test_request_finished_clears_the_requests_load_and_save(tmp_path, records):
 class PlainLayer:
     """An attention layer as the worker sees it; its backend's write is a plain [blocks, k|v, bs, H, D] layout."""
 
-    def __init__(self, blocks: int = 10, bs: int = BS) -> None:
-        self.kv_cache, self.impl, self.num_kv_heads, self.head_size = torch.zeros(blocks, 2, bs, H, D), self, H, D
+    def __init__(self, blocks: int = 10, bs: int = BS, heads: int = H) -> None:
+        self.kv_cache, self.impl = torch.zeros(blocks, 2, bs, heads, D), self
+        self.num_kv_heads, self.head_size = heads, D
         self.written: list = []
 
     def do_kv_cache_update(self, layer, k, v, cache, slot_mapping) -> None:  # [T, H, D] x2, [T]
@@ -233,9 +234,10 @@ ISAS = [(isa, dt) for isa in ("vec", "vec16", "amx") for dt in (torch.float32, t
 class CpuLayer:
     """A layer on vLLM's CPU backend: its cache [blocks, H, bs, 2D] and the backend's own do_kv_cache_update."""
 
-    def __init__(self, isa: str, dtype, blocks: int = 6, bs: int = 32) -> None:
-        self.kv_cache = torch.zeros(blocks, H, bs, 2 * D, dtype=dtype)
-        self.isa, self._k_scale_float, self._v_scale_float, self.num_kv_heads, self.head_size = isa, 1.0, 1.0, H, D
+    def __init__(self, isa: str, dtype, blocks: int = 6, bs: int = 32, heads: int = H, dim: int = D) -> None:
+        self.kv_cache = torch.zeros(blocks, heads, bs, 2 * dim, dtype=dtype)
+        self.isa, self._k_scale_float, self._v_scale_float = isa, 1.0, 1.0
+        self.num_kv_heads, self.head_size = heads, dim
         self.impl = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)
         self.impl.attn_type, self.impl.kv_cache_dtype = AttentionType.DECODER, "auto"
 
@@ -282,10 +284,10 @@ def test_a_save_reads_its_slots_back_from_the_cpu_backends_cache(tmp_path, monke
 
 
 def check_gather(cache, index, write, bs: int, dtype) -> None:
-    n = cache.shape[index.block_dim] * bs
+    n, (_, heads, dim) = cache.shape[index.block_dim] * bs, index.keys.shape
     g = torch.Generator().manual_seed(3)
     order = torch.randperm(n, generator=g)
-    k, v = torch.randn(n, H, D, generator=g).to(dtype), torch.randn(n, H, D, generator=g).to(dtype)
+    k, v = torch.randn(n, heads, dim, generator=g).to(dtype), torch.randn(n, heads, dim, generator=g).to(dtype)
     write(k, v, cache, order)  # token i of k/v into slot order[i]
     some = torch.randperm(n, generator=g)[: n // 2]
     gk, gv = index.gather(cache, order[some])
@@ -302,8 +304,8 @@ def test_the_learned_layout_is_exact_for_the_cpu_write(isa, dtype):
 
 
 def flash_write(k, v, cache, s):  # [2, blocks, bs, H, D], as CUDA's FlashAttention keeps it
-    cache[0].view(-1, H, D)[s] = k
-    cache[1].view(-1, H, D)[s] = v
+    cache[0].view(-1, *cache.shape[-2:])[s] = k
+    cache[1].view(-1, *cache.shape[-2:])[s] = v
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -323,3 +325,86 @@ one_head = lambda k, v, c, s: flash_write(k[:, :1].expand_as(k), v[:, :1].expand
 def test_a_layout_that_cannot_be_learned_is_a_layout_error(dtype, write):
     with pytest.raises(LayoutError):
         learn(torch.zeros(2, 7, BS, H, D, dtype=dtype), 7, BS, H, D, write)
+
+
+@pytest.mark.parametrize("isa, dtype", [("vec", torch.bfloat16), ("amx", torch.bfloat16), ("vec", torch.float32)])
+def test_a_head_dim_of_256_is_learned_exactly(isa, dtype):  # Gemma-3's: codes up to 256, exact in bfloat16
+    layer = CpuLayer(isa, dtype, blocks=3, bs=32, heads=1, dim=256)
+    write = lambda k, v, c, s: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+    index = learn(layer.kv_cache, 3, 32, 1, 256, write)
+    check_gather(layer.kv_cache, index, write, 32, dtype)
+    cache = torch.zeros(2, 3, 32, 1, 256, dtype=dtype)
+    check_gather(cache, learn(cache, 3, 32, 1, 256, flash_write), flash_write, 32, dtype)
+
+
+# ---- tensor parallelism: each rank saves and loads its own K/V heads ------------------------------------------------
+
+
+def test_the_scheduler_side_is_rank_0_and_a_worker_its_tensor_parallel_rank(monkeypatch):
+    import vllm.distributed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from service.vllm.connector import _tp_rank
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 2)
+    assert _tp_rank(KVConnectorRole.SCHEDULER, SimpleNamespace(rank=5)) == 0  # it reads rank 0's headers only
+    assert _tp_rank(KVConnectorRole.WORKER, SimpleNamespace(rank=5)) == 2
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 2: a head per rank (split); 1: vLLM replicates it on both ranks
+def test_tp_ranks_save_and_load_their_own_heads_and_the_scheduler_wants_every_ranks_record(tmp_path, monkeypatch,
+                                                                                             rotator, kv_heads):
+    tp = 2
+    head_of = lambda rank: rank * kv_heads // tp  # noqa: E731 - vLLM's: rank r holds head r // (tp / kv_heads)
+    full = {"blk-a": kv(20, 1), "blk-b": kv(20, 2)}  # the whole model's K/V ([L, T, 2, D]), sliced per rank
+    ids = {"blk-a": (0, P[:20]), "blk-b": (4, P[20:40])}
+    sched = SkillcacheConnector.__new__(SkillcacheConnector)
+    sched._setup(SpanStore(tmp_path, "m", 0, tp), BS, lambda: rotator)
+
+    def worker(rank: int) -> SkillcacheConnector:
+        c = SkillcacheConnector.__new__(SkillcacheConnector)
+        c._setup(SpanStore(tmp_path, "m", rank, tp), BS, lambda: rotator)
+        return c
+
+    def compile_on(rank: int, name: str) -> None:  # a compile step: vLLM writes this rank's heads, the rank saves
+        pos, span_ids = ids[name]
+        prompt = [0] * pos + span_ids
+        c, r = worker(rank), request(f"c-{name}", prompt, Transfer(save=Save(name, pos, pos + 20)))
+        c.get_num_new_matched_tokens(r, 0)
+        meta = step(c, new=[(r, [5, 2], 0, len(prompt))])
+        layers = {n: PlainLayer(heads=1) for n in NAMES}
+        h = head_of(rank)
+        k, v = full[name]
+        for li, n in enumerate(NAMES):
+            at = torch.tensor(slots([5, 2], pos, pos + 20))
+            layers[n].do_kv_cache_update(layers[n], k[li, :, h:h + 1], v[li, :, h:h + 1], layers[n].kv_cache, at)
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context",
+                            lambda: SimpleNamespace(no_compile_layers=layers))
+        c.bind_connector_metadata(meta)
+        for n in NAMES:
+            c.save_kv_layer(n, layers[n].kv_cache, None)
+        c.wait_for_save()
+        assert SpanStore(tmp_path, "m", rank, tp).path(name).name == f"{name}.tp2r{rank}.safetensors"
+
+    r = request("r", P, TWO)
+    for name in ("blk-a", "blk-b"):
+        compile_on(0, name)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # rank 1's records are missing: nothing promised
+    for name in ("blk-a", "blk-b"):
+        compile_on(1, name)
+    assert sched.get_num_new_matched_tokens(r, 0) == (40, False)
+    sched.update_state_after_alloc(r, None, 40)
+    meta = step(sched, new=[(r, [7, 3, 9, 4], 40, 20)])  # the scheduler's metadata goes to every rank alike
+    (ka, va), (kb, vb) = full["blk-a"], full["blk-b"]
+    for rank in range(tp):
+        c, h = worker(rank), head_of(rank)
+        layers = {n: PlainLayer(heads=1) for n in NAMES}
+        c.bind_connector_metadata(meta)
+        c.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+        assert c.get_block_ids_with_load_errors() == set()
+        for li, n in enumerate(NAMES):
+            (k0, v0, s0), (k1, v1, s1) = layers[n].written
+            assert torch.equal(k0, ka[li, :, h:h + 1]) and torch.equal(v0, va[li, :, h:h + 1])
+            moved = rotator.rotate(kb[li].transpose(0, 1)[None], 16, li)[0].transpose(0, 1)[:, h:h + 1]
+            assert torch.allclose(k1, moved, atol=1e-6) and torch.equal(v1, vb[li, :, h:h + 1])
+            assert s0 == slots([7, 3, 9, 4], 0, 20) and s1 == slots([7, 3, 9, 4], 20, 40)
