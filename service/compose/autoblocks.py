@@ -11,6 +11,12 @@ shadow check is computed as text (demoted), not the whole request in full. The r
 a repeated arrangement is refined into an exact head.
 
 A section's key is its text's block key under the request's namespace: one tenant's sections never serve another.
+
+On an engine that compiles and keeps blocks itself (vLLM: `engine.compiles_blocks`), a section's block is the
+engine's (a BlockRef, held where the engine says so, compiled by it at background priority), and a system text this
+tenant has sent before as plain text, with nothing composed before it, stays text: vLLM's exact prefix cache serves
+that prompt exactly, and composing it would move it to an approximate head. Sections compose there where the exact
+cache misses: the same sections after another preamble or in another order.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from service import metrics
 from service.compose.sections import Part, split_parts
+from service.errors import ServiceError
+from service.kv.blockref import BlockRef
 from service.registry.skill import TextBlock
 
 if TYPE_CHECKING:
@@ -50,10 +58,19 @@ class AutoBlocks:
     def __init__(self, settings, runtime, registry: "SkillRegistry", store: "TieredStore",
                  guard: "FidelityGuard") -> None:
         self.s, self.rt, self.registry, self.store, self.guard = settings, runtime, registry, store, guard
-        has_memory = any(t.name == "memory" for t in store.tiers)  # the only tier sections live in
-        self.enabled = bool(settings.auto_reuse) and settings.auto_sections != "off" and has_memory
+        self.engine: Any = None  # the pipeline's engine (ComposePipeline.use_engine)
+        self._has_memory = any(t.name == "memory" for t in store.tiers)  # the only tier sections live in here
         self._seen: OrderedDict[str, int] = OrderedDict()
+        self._exact: OrderedDict[str, None] = OrderedDict()  # system texts sent as plain text (engine-kept blocks)
         self._pending: set[str] = set()
+
+    @property
+    def _refs(self) -> bool:
+        return self.engine is not None and self.engine.compiles_blocks
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.s.auto_reuse) and self.s.auto_sections != "off" and (self._has_memory or self._refs)
 
     async def resolve(self, namespace: str, marked: list[str], text: str, taken: list[str], room: int,
                       compose: bool, seam_tokens: int | None) -> SystemParts:
@@ -64,6 +81,8 @@ class AutoBlocks:
         it there."""
         first, out, names = len(taken), SystemParts(), set(taken)
         encode = self.rt.prompts.encode_content
+        whole = f"{namespace}\x00{marked}\x00{text}"  # taken is empty where this counts
+        exact = self._refs and not taken and whole in self._exact  # vLLM's exact prefix cache has it
         split = split_parts(text, self.s.auto_sections, encode, self.s.auto_section_min_tokens,
                             self.s.max_skill_tokens) if text else []
         items = [(Part(t, ids := encode(t), 0 < len(ids) <= self.s.max_skill_tokens), True) for t in marked]
@@ -75,8 +94,13 @@ class AutoBlocks:
                 continue
             names.add(record.name)
             key = self.registry.block_key(namespace, part.text)
-            block, _ = await self.store.get(key, ephemeral=True)
-            if block is not None and block.token_ids == part.ids and len(out.blocks) < room:
+            block = await self._held(key, part.ids)
+            if exact:  # stays text where it is cached exactly; compiled for where it is not
+                if block is None:
+                    self._schedule(key, part.ids)
+                out.parts.append(part.text)
+                continue
+            if block is not None and len(out.blocks) < room:
                 seam, path = self.guard.seam_for(str(key), block, seam_tokens)
                 if path == "compose":
                     metrics.AUTO_BLOCKS.labels("composed").inc()
@@ -93,7 +117,20 @@ class AutoBlocks:
                 metrics.AUTO_BLOCKS.labels("text").inc()
                 out.scheduled_tokens += len(part.ids) if self._schedule(key, part.ids) else 0
             out.parts.append(part.text)
+        if self._refs and compose and not taken and not out.blocks:  # sent whole as text: exact in vLLM's cache
+            self._exact.pop(whole, None)
+            self._exact[whole] = None
+            while len(self._exact) > _SEEN_MAX:
+                self._exact.popitem(last=False)
         return out
+
+    async def _held(self, key: "BlockKey", ids: list[int]):
+        """The section's block where it is held (None: not yet): the store's memory tier, or the engine's."""
+        if self._refs:
+            ref = BlockRef(list(ids), len(self.rt.anchor))
+            return ref if self.engine.holds(key.namespace, ref) else None
+        block, _ = await self.store.get(key, ephemeral=True)
+        return block if block is not None and block.token_ids == ids else None
 
     def _schedule(self, key: "BlockKey", ids: list[int]) -> bool:
         """Count a sighting; queue the compile once it has been seen often enough (True: queued now)."""
@@ -113,6 +150,15 @@ class AutoBlocks:
         return True
 
     async def _compile(self, key: "BlockKey", ids: list[int]) -> None:
+        if self._refs:  # the engine compiles it at background priority, behind live requests
+            try:
+                await self.engine.compile_block(key.namespace, BlockRef(list(ids), len(self.rt.anchor)))
+                metrics.AUTO_BLOCKS.labels("compiled").inc()
+            except ServiceError as e:
+                log.warning("section block not compiled (a later sighting queues it again): %s", e)
+            finally:
+                self._pending.discard(str(key))
+            return
         try:
             steps = self.rt.compile_block_steps(ids, chunk=self.s.background_chunk_tokens)
             # seen once, the compile is a guess: it runs only while the engine is idle; seen again, in the share

@@ -1,9 +1,10 @@
 """FidelityGuard: calibrated seams per block and shadow verification of live compose requests.
 
 Both run off the hot path: a calibration is scheduled when a block is compiled, a shadow check
-after a sampled response has completed, and both run as background work of the serving engine (its background
-share, in steps of SKILLCACHE_BACKGROUND_CHUNK_TOKENS). A skill whose shadow check fails is marked degraded and
-served by full prefill until recalibrated.
+after a sampled response has completed. The engine's checks compute them (`checks`: the embedded engine's run on
+this process's model, service/engines/embedded_checks.py; the vLLM engine's are vLLM requests,
+service/vllm/checks.py); the guard decides when and records what they find. A skill whose shadow check fails is
+marked degraded and served by full prefill until recalibrated.
 Deleting a skill (`forget`) drops its blocks' state, and jobs still in flight for them record nothing.
 """
 
@@ -15,10 +16,11 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service import metrics
 from service.config import Settings
+from service.kv.blockref import BlockRef
 
 if TYPE_CHECKING:
     from service.runtime.serving import ServingEngine
@@ -26,9 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_BACKLOG = 32
-# background order (lowest first): calibrations (every request of a new skill uses the seam), then refinements
-# (by expected benefit, negative: service/compose/refine.py), then the sampled shadow checks
-CALIBRATION_PRIORITY, SHADOW_PRIORITY = -1e18, 1.0
+class Checks(Protocol):
+    """What an engine computes for the guard (RuntimeChecks, VllmChecks); shadow checks come as callables."""
+
+    async def calibrate(self, key, block) -> Any:
+        """The block's calibration (.seam, .passed, .to_dict()); None: not run now, a later request asks again."""
+
+
+KEPT = 4096  # calibrations of blocks no store holds (an engine that keeps its own blocks: vLLM), in memory
 
 
 class FidelityGuard:
@@ -42,6 +49,8 @@ class FidelityGuard:
         self._deleted: dict[str, int] = {}  # key -> _deletes when forgotten, while jobs are in flight
         self._writing = asyncio.Lock()  # a calibration writing its block back, or forget()
         self.shadow_started: list[float] = []  # monotonic start times of shadow checks (bounded below)
+        self.checks: Checks | None = None  # the engine's (ComposePipeline.use_engine); None: none run
+        self.calibrated: dict[str, dict] = {}  # key -> calibration of a block no store holds (the engine keeps it)
 
     # ---- seams -----------------------------------------------------------------------------
     def seam_for(self, key: str, block, requested: int | None) -> tuple[int | None, str]:
@@ -50,7 +59,7 @@ class FidelityGuard:
             return requested, "compose"
         if key in self.degraded:
             return None, "full"
-        cal = calibration_of(block)
+        cal = calibration_of(block) or self.calibrated.get(key)
         if self.s.seam_auto and cal is not None:
             return int(cal["seam"]), "compose"
         return self.s.seam_tokens, "compose"
@@ -59,24 +68,21 @@ class FidelityGuard:
         """ephemeral: the block lives in the memory tier only (a request's tools block), and so does its
         calibration."""
         k = str(key)
-        if self.s.seam_auto and calibration_of(block) is None and k not in self._calibrating:
+        if (self.s.seam_auto and self.checks is not None and calibration_of(block) is None
+                and k not in self.calibrated and k not in self._calibrating):
             self._calibrating.add(k)
             if not self.spawn(self._calibrate(key, block, self._deletes, ephemeral)):
                 self._calibrating.discard(k)  # the background backlog is full: a later request tries again
 
     async def _calibrate(self, key, block, since: int, ephemeral: bool = False) -> None:
-        from service.runtime.calibrate import calibration_steps
-
         k = str(key)
         t0 = time.perf_counter()
         log.info("calibrating the seam of block %s (%d tokens), in the background ...", k, len(block.token_ids))
         try:
-            cal = await self.run_background(calibration_steps(
-                self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-                self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=CALIBRATION_PRIORITY)
+            assert self.checks is not None
+            cal = await self.checks.calibrate(key, block)
             if cal is None:
                 return  # the engine's background backlog was full: a later request schedules it again
-            block.meta["calibration"] = json.dumps(cal.to_dict())
             metrics.CALIBRATIONS.labels("passed" if cal.passed else "whole_block").inc()
             log.info("calibrated block %s in %.1f s: %s", k, time.perf_counter() - t0,
                      f"seam {cal.seam} tokens" if cal.passed else "no seam passed, the whole block is recomputed")
@@ -85,6 +91,12 @@ class FidelityGuard:
                     return  # its skill was deleted meanwhile: don't write the block back
                 self.degraded.pop(k, None)
                 metrics.DEGRADED_SKILLS.set(len(self.degraded))
+                if isinstance(block, BlockRef):  # the engine keeps the block: its calibration stays here
+                    self.calibrated[k] = cal.to_dict()
+                    while len(self.calibrated) > KEPT:
+                        self.calibrated.pop(next(iter(self.calibrated)))
+                    return
+                block.meta["calibration"] = json.dumps(cal.to_dict())
                 await self.store.put(key, block, ephemeral=ephemeral)  # the calibration travels with the block
         finally:
             self._calibrating.discard(k)
@@ -98,6 +110,7 @@ class FidelityGuard:
             for k in map(str, keys):
                 self.degraded.pop(k, None)
                 self.shadow.pop(k, None)
+                self.calibrated.pop(k, None)
                 if self._bg:
                     self._deleted[k] = self._deletes
             metrics.DEGRADED_SKILLS.set(len(self.degraded))
@@ -107,54 +120,56 @@ class FidelityGuard:
         return self._deleted.get(key, -1) <= since
 
     # ---- shadow verification -----------------------------------------------------------------
-    def maybe_shadow(self, keys: list[str], plan, blocks, seams) -> bool:
+    def maybe_shadow(self, keys: list[str], check) -> bool:
+        """Sample a composed request for a shadow check: `check(started)` (the engine's, e.g. RuntimeChecks.shadow)
+        compares it with a full prefill and returns {"ok", "top1_agree", "decisive", and "cosine" (logits) or "tv"
+        (top-k distributions)}, or None (not run)."""
         if self.s.shadow_sample_rate <= 0 or random.random() >= self.s.shadow_sample_rate:
             return False
-        self.spawn(self._shadow(keys, plan, blocks, seams, self._deletes))
+        self.spawn(self._shadow(keys, check, self._deletes))
         return True
 
-    async def _shadow(self, keys, plan, blocks, seams, since: int) -> None:
-        from service.runtime.fidelity import logit_agreement
-
-        chunk = self.s.background_chunk_tokens
-
-        def steps():  # the composed prefill, then the full one, in background steps of `chunk` tokens
-            self.shadow_started.append(time.monotonic())  # on the engine, after the sampled response
-            comp = yield from self.rt.prefill_steps(plan, blocks, mode="compose", seam_tokens=seams, chunk=chunk)
-            _, full = yield from self.rt.full_prefill_steps(plan.ids, chunk)
-            return comp.logits, full
-
-        both = await self.run_background(steps(), priority=SHADOW_PRIORITY)
-        if both is None:
+    async def _shadow(self, keys, check, since: int) -> None:
+        fid = await check(lambda: self.shadow_started.append(time.monotonic()))
+        if fid is None:
             return  # the engine's background backlog was full: this sample is skipped
-        composed, full = both
-        fid = logit_agreement(composed, full, self.s.fidelity_tie_margin)
-        ok = fid["cosine"] >= self.s.fidelity_min_cosine and (fid["top1_agree"] or not fid["decisive"])
+        ok = fid["ok"]
         del self.shadow_started[:-100]
         metrics.SHADOW_CHECKS.labels("pass" if ok else "fail").inc()
-        metrics.SHADOW_COSINE.observe(fid["cosine"])
+        if "cosine" in fid:
+            metrics.SHADOW_COSINE.observe(fid["cosine"])
         for k in keys:
             if not self._current(k, since):
                 continue  # its skill was deleted meanwhile
-            st = self.shadow.setdefault(k, {"checks": 0, "passed": 0, "cosine_min": 1.0, "cosine_sum": 0.0})
+            st = self.shadow.setdefault(k, {"checks": 0, "passed": 0})
             st["checks"] += 1
             st["passed"] += int(ok)
-            st["cosine_min"] = min(st["cosine_min"], fid["cosine"])
-            st["cosine_sum"] += fid["cosine"]
+            if "cosine" in fid:
+                st["cosine_min"] = min(st.get("cosine_min", 1.0), fid["cosine"])
+                st["cosine_sum"] = st.get("cosine_sum", 0.0) + fid["cosine"]
+            if "tv" in fid:
+                st["tv_max"] = max(st.get("tv_max", 0.0), fid["tv"])
+                st["tv_sum"] = st.get("tv_sum", 0.0) + fid["tv"]
             if not ok:
                 self.degraded[k] = fid
-                log.warning("skill block %s failed a shadow check (cosine %.5f): serving it by full prefill", k,
-                            fid["cosine"])
+                log.warning("skill block %s failed a shadow check (%s): serving it by full prefill", k,
+                            f"cosine {fid['cosine']:.5f}" if "cosine" in fid else f"top-1 {fid.get('top1_composed')!r}"
+                            f" where a full prefill gives {fid.get('top1_full')!r}")
         metrics.DEGRADED_SKILLS.set(len(self.degraded))
 
     def report(self, key: str, meta: dict[str, str] | None) -> dict:
         """What the API shows for a block: its calibration (from the stored block's `meta`, None when there is no
         block) and this process's shadow checks and degraded flag."""
         st = self.shadow.get(key)
-        shadow = None if st is None else {
-            "checks": st["checks"], "passed": st["passed"], "cosine_min": st["cosine_min"],
-            "cosine_mean": st["cosine_sum"] / st["checks"]}
-        return {"calibration": calibration_in(meta), "shadow": shadow, "degraded": key in self.degraded}
+        shadow: dict | None = None
+        if st is not None:
+            shadow = {"checks": st["checks"], "passed": st["passed"]}
+            if "cosine_sum" in st:
+                shadow.update(cosine_min=st["cosine_min"], cosine_mean=st["cosine_sum"] / st["checks"])
+            if "tv_sum" in st:  # vLLM: top-k distributions (service/vllm/fidelity.py)
+                shadow.update(tv_max=st["tv_max"], tv_mean=st["tv_sum"] / st["checks"])
+        return {"calibration": calibration_in(meta) or self.calibrated.get(key), "shadow": shadow,
+                "degraded": key in self.degraded}
 
     # ---- background plumbing -----------------------------------------------------------------
     def spawn(self, coro) -> bool:

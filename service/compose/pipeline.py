@@ -35,6 +35,7 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
+    from service.engines import Engine
     from service.compose.autoblocks import SystemParts
     from service.kv.block import KVBlock
     from service.memory.registry import LateMemory
@@ -117,12 +118,15 @@ class ComposePipeline:
         self.tool_prompt = ToolPrompt(runtime.prompts)
         self.auto = AutoHeads(settings, runtime.fingerprint)  # automatic exact heads (embedded engine)
         self.sections = AutoBlocks(settings, runtime, registry, store, self.guard)  # system-prompt sections
-        self.runner = EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard, self.auto)  # AppState may
-        # swap it
+        self.use_engine(EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard, self.auto))  # AppState
+        # may swap it
 
-    def use_engine(self, runner) -> None:
-        """Run prepared requests on `runner` (service/engines/) instead of this process's serving engine."""
-        self.runner = runner
+    def use_engine(self, runner: "Engine") -> None:
+        """Run prepared requests on `runner` (service/engines/); its checks compute the guard's calibrations and
+        shadow checks."""
+        self.runner: "Engine" = runner
+        runner.guard, self.guard.checks = self.guard, runner.checks
+        self.sections.engine = runner
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once on the engine) and where it came from.
@@ -131,8 +135,8 @@ class ComposePipeline:
         calibrated; registered skills' blocks go to every tier and are calibrated once."""
         key = self.registry.block_key(namespace, text)
         block, source = await self._block(key, lambda: self.rt.prompts.encode_content(text), ephemeral=variant)
-        if not variant and not self.runner.compiles_blocks:  # (calibration runs on this process's model)
-            self.guard.schedule_calibration(key, block)  # no-op once the block carries its calibration
+        if not variant:
+            self.guard.schedule_calibration(key, block)  # no-op once the block is calibrated
         return block, source
 
     async def compile_skill(self, namespace: str, text: str) -> None:
@@ -167,8 +171,7 @@ class ComposePipeline:
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
         key = BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"tools-{digest}")
         block, source = await self._block(key, lambda: list(ids), ephemeral=True)
-        if not self.runner.compiles_blocks:
-            self.guard.schedule_calibration(key, block, ephemeral=True)
+        self.guard.schedule_calibration(key, block, ephemeral=True)
         return block, source, key
 
     async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
@@ -210,7 +213,7 @@ class ComposePipeline:
         marked = [TextBlock.of(p.namespace, text) for text in p.blocks]
         if len({r.name for r in records + marked}) != len(records) + len(marked):
             raise InvalidRequest("a skill (or block of text) may appear only once per request")
-        auto = not head_only and self.sections.enabled and self.runner.composes_sections
+        auto = not head_only and self.sections.enabled
         if not auto:  # with automatic blocks, the marked ones are composed when held, as sections are
             records += marked
         check_fields(records, p.fields)

@@ -15,18 +15,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from service.engines.embedded_checks import RuntimeChecks
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
 
 if TYPE_CHECKING:
     from service.compose.auto import AutoHeads
+    from service.engines import Engine
+    from service.kv.block import KVBlock
+    from service.kv.radix import HeadMatch
     from service.compose.pipeline import Final, Prepared
     from service.runtime.engine import PrefillResult
 
 
 class EmbeddedEngine:
     keeps_conversations = False  # a session's cache is held by the session manager, in this process
-    composes_sections = True  # system-prompt sections are composed as blocks (service/compose/autoblocks.py)
     compiles_blocks = False  # blocks are compiled on this process's model and kept in the store's tiers
 
     def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
@@ -35,6 +38,7 @@ class EmbeddedEngine:
         self.serving = serving
         self.refiner = refiner
         self.guard = guard
+        self.checks = RuntimeChecks(settings, runtime, guard.run_background)  # calibrations, shadow checks
         self.auto = auto  # automatic exact heads (service/compose/auto.py); None or disabled: off
 
     def holds(self, namespace: str, block) -> bool:
@@ -58,7 +62,7 @@ class EmbeddedEngine:
         def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3
             box["pre"] = pre
-            if donate:  # its K/V through a head refinement wants are that head's exact prefix
+            if donate and pre.cache is not None:  # its K/V through a head refinement wants are that head's exact prefix
                 from service.kv.cache import block_from_cache
 
                 block = block_from_cache(pre.cache, prep.plan.ids[:donate], self.rt.fingerprint)
@@ -89,7 +93,8 @@ class EmbeddedEngine:
     def _prefill(self, prep: "Prepared", auto: "AutoHeads | None"):
         """The request's prefill steps; first (on the engine, in the first step) the longest automatic head its
         prompt opens with, when it is longer than the refined prefix `prepare` found."""
-        prefix, n_auto = prep.prefix, 0
+        prefix: "KVBlock | HeadMatch | None" = prep.prefix
+        n_auto = 0
         if auto is not None and prep.mode == "compose":
             hit = auto.match(prep.params.namespace, prep.plan)
             if hit is not None and hit.n_tokens > (prefix.n_tokens if prefix is not None else 0):
@@ -109,8 +114,13 @@ class EmbeddedEngine:
                 yield finish(prep, item, box["pre"], box["ttft_ms"])
                 if prep.mode == "compose":  # after the response: never on the sampled request's clock
                     if prep.params.late is None:  # a shadow check is the skills': a memory's is bench/memory.py
-                        self.guard.maybe_shadow(prep.keys, prep.plan, prep.blocks, prep.seams)
+                        self.guard.maybe_shadow(prep.keys, self.checks.shadow(prep.plan, prep.blocks, prep.seams))
                     self.refiner.note(prep.params.namespace, prep.plan, box["pre"].n_prefix)
                 return
             yield item
             item = await anext(stream)
+
+
+if TYPE_CHECKING:
+    def _is_an_engine(e: EmbeddedEngine) -> Engine:
+        return e  # mypy checks EmbeddedEngine against the Engine protocol here

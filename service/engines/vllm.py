@@ -12,11 +12,20 @@ Refinement: once a composition has been served SKILLCACHE_VLLM_REFINE_AFTER time
 at background priority (one request under `exact:<namespace>`); from then on the order goes out under the exact salt
 with no transfer, and vLLM's own prefix cache serves the exact head. mode=full: the exact salt, nothing loaded.
 Automatic reuse is vLLM's own prefix cache under the exact salt, reported as `auto_tokens`.
+Replicas (SKILLCACHE_VLLM_URL lists several): a composition goes to the first replica, in the rendezvous order of its
+digest (a request with no composed head: of its tenant and first tokens), that answers (service/vllm/client.py,
+VllmPool): its compiles, steps and final request alike, so its records and its prefix-cache entries are on that
+replica; a replica that fails before the first token sends the request on to the next in that order. What vLLM has
+saved is known per replica, unless the replicas share their records (SKILLCACHE_VLLM_SHARED_SPANS: Redis behind each
+spans dir, service/vllm/spans.py): then per record, and a block the shared index already holds is not compiled again
+(by this process, another skillcache, or after a restart).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -24,14 +33,19 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from service import metrics
+from service.errors import EngineUnavailable
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
-from service.vllm.chain import Chain, block_name, chain_digest, head_ops
-from service.vllm.client import Usage, VllmClient
+from service.kv.plan import plan_ops
+from service.vllm.chain import Chain, block_name, chain_digest, head_of
+from service.vllm.checks import VllmChecks
+from service.vllm.client import Usage, VllmClient, VllmPool
 from service.vllm.transfer import Save, Transfer
 
 if TYPE_CHECKING:
+    from service.compose.guard import FidelityGuard
     from service.compose.pipeline import Final, Prepared
+    from service.engines import Engine
 
 log = logging.getLogger(__name__)
 LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the server runs --scheduling-policy priority)
@@ -42,6 +56,7 @@ LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the serve
 BACKGROUND_CHUNK = 256
 IDLE_WAIT_S = 30.0  # at most this long behind live traffic; then it goes anyway (a live count that never drains)
 KNOWN = 4096  # compositions and saved blocks remembered (LRU)
+ROUTE_TOKENS = 256  # a request with no composed head is routed by its tenant and this many first tokens
 
 
 def exact_salt(namespace: str) -> str:
@@ -61,24 +76,63 @@ def _touch(lru: OrderedDict, key: str, value=None) -> None:
 
 class VllmEngine:
     keeps_conversations = True  # sessions send the whole conversation: vLLM's prefix cache holds it (sessions/)
-    # system-prompt sections stay text: a composed head is approximate and travels under a request-only salt, so it
-    # would take a repeated system prompt away from vLLM's exact prefix cache, which serves it already
-    composes_sections = False
     compiles_blocks = True  # vLLM compiles each block, its connector keeps it: the pipeline names blocks by ids
 
-    def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None) -> None:
+    def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None,
+                 pool: VllmPool | None = None, shared=None) -> None:
         self.settings = settings
         self.rt = runtime  # its tokenizer's anchor and fingerprint; vLLM runs the model
-        self.client = client or VllmClient(settings.vllm_url, settings.vllm_model, settings.vllm_timeout_s)
+        self.pool = pool or (VllmPool([client]) if client is not None else
+                             VllmPool.from_urls(settings.vllm_urls, settings.vllm_model, settings.vllm_timeout_s))
+        if shared is None and getattr(settings, "vllm_spans_redis", None):
+            from service.vllm.spans import SharedIndex
+
+            shared = SharedIndex(settings.vllm_spans_redis)
+        self.shared = shared  # the shared spans tier's index (None: each replica's spans dir alone)
         self.refine_after = settings.vllm_refine_after
         self._seen: OrderedDict[str, int] = OrderedDict()  # composition digest -> times served
+        # what vLLM has saved: keyed by record (shared tier) or by replica and record (_key)
         self._chains: OrderedDict[str, None] = OrderedDict()  # compositions whose steps vLLM has run and saved
         self._blocks: OrderedDict[str, None] = OrderedDict()  # block records vLLM has saved
         self._compiling: dict[str, asyncio.Future] = {}
-        self._exact: OrderedDict[str, None] = OrderedDict()  # digests whose exact head vLLM has prefilled
+        self._exact: OrderedDict[str, None] = OrderedDict()  # (replica, digest) whose exact head vLLM has prefilled
         self._refining: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._live = 0  # live requests in flight (their composition started, their stream not yet closed)
+        self.checks = VllmChecks(self)  # calibrations and shadow checks as vLLM requests
+        self.guard: "FidelityGuard | None" = None  # the pipeline's (ComposePipeline.use_engine): samples shadow checks
+
+    @property
+    def client(self):
+        """The first replica (the only one, unless SKILLCACHE_VLLM_URL lists several)."""
+        return self.pool.clients[0]
+
+    @client.setter
+    def client(self, client) -> None:
+        self.pool = VllmPool([client])
+
+    def _key(self, client, name: str) -> str:
+        """What vLLM saved (a record, a composition's steps) as this process knows it: the record's name when the
+        replicas share their records, else the replica's URL and the name."""
+        return name if self.shared is not None else f"{self.pool.name(client)}|{name}"
+
+    async def _failover(self, route: str, call):
+        """`call(client)` on the route's replicas in order, until one answers (EngineUnavailable: the next)."""
+        last: EngineUnavailable | None = None
+        for client in self.pool.order(route):
+            try:
+                out = await call(client)
+            except EngineUnavailable as e:
+                self.pool.failed(client)
+                if len(self.pool.clients) > 1:
+                    metrics.VLLM_FAILOVERS.labels(self.pool.name(client)).inc()
+                    log.warning("vLLM replica %s failed (%s); trying the next", self.pool.name(client), e)
+                last = e
+                continue
+            self.pool.ok(client)
+            return out
+        assert last is not None
+        raise last
 
     # ---- blocks and chains -----------------------------------------------------------------
     async def _idle(self) -> None:
@@ -86,7 +140,7 @@ class VllmEngine:
         while self._live > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _background(self, ids: list[int], salt: str, save: Save | None = None) -> None:
+    async def _background(self, client, ids: list[int], salt: str, save: Save | None = None) -> None:
         """vLLM prefills `ids` behind live traffic: in chunks of BACKGROUND_CHUNK new tokens, each while nothing live
         is in flight, at background priority; `save` goes with the last chunk (the connector saves the span from the
         request's blocks, prefix-cache hits included)."""
@@ -94,103 +148,122 @@ class VllmEngine:
         for end in ends:
             await self._idle()
             last = end == len(ids)
-            await self.client.prefill(ids[:end], salt, Transfer(save=save) if last and save else None, BACKGROUND)
+            await client.prefill(ids[:end], salt, Transfer(save=save) if last and save else None, BACKGROUND)
 
     async def compile_block(self, namespace: str, block) -> None:
         """A registered skill's block compiled ahead of use, at background priority (registration, start-up)."""
-        await self._compile(self._name(namespace, block), list(block.token_ids), block.base, namespace, BACKGROUND)
+        name = self._name(namespace, block)
+        await self._failover(name, lambda client: self._compile(client, name, list(block.token_ids), block.base,
+                                                                 namespace, BACKGROUND))
 
-    async def _compile(self, name: str, ids: list[int], base: int, namespace: str, priority: int = LIVE) -> None:
+    async def _compile(self, client, name: str, ids: list[int], base: int, namespace: str,
+                       priority: int = LIVE) -> None:
         """vLLM prefills the block in its canonical context (the anchor's first `base` tokens, then the block) and
-        the connector saves it; once per record (single flight)."""
-        if name in self._blocks:
+        the connector saves it; once per record (single flight), and not at all when the shared tier holds it."""
+        key = self._key(client, name)
+        if key in self._blocks:
             return
-        fut = self._compiling.get(name)
+        fut = self._compiling.get(key)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
-            self._compiling[name] = fut
+            self._compiling[key] = fut
             try:
-                t0 = time.perf_counter()
-                prompt = list(self.rt.anchor[:base]) + list(ids)
-                save, salt = Save(name, 0, len(prompt)), f"compile:{namespace}"
-                if priority == LIVE:
-                    await self.client.prefill(prompt, salt, Transfer(save=save), LIVE)
+                if self.shared is not None and await self.shared.has(name):
+                    metrics.VLLM_HEADS.labels("shared").inc()
                 else:
-                    await self._background(prompt, salt, save)
-                _touch(self._blocks, name)
-                metrics.VLLM_HEADS.labels("compiled").inc()
-                metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    prompt = list(self.rt.anchor[:base]) + list(ids)
+                    save, salt = Save(name, 0, len(prompt)), f"compile:{namespace}"
+                    metrics.VLLM_COMPILES.labels(self.pool.name(client)).inc()
+                    if priority == LIVE:
+                        await client.prefill(prompt, salt, Transfer(save=save), LIVE)
+                    else:
+                        await self._background(client, prompt, salt, save)
+                    metrics.VLLM_HEADS.labels("compiled").inc()
+                    metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
+                _touch(self._blocks, key)
                 fut.set_result(None)
             except BaseException as e:
                 fut.set_exception(e)
                 fut.exception()  # retrieved: a compile nobody else awaited logs nothing
                 raise
             finally:
-                self._compiling.pop(name, None)
+                self._compiling.pop(key, None)
         else:
             await fut
 
-    async def _build(self, chain: Chain, ids: list[int], salt: str) -> int:
+    async def _build(self, client, chain: Chain, ids: list[int], salt: str, background: bool = False) -> int:
         """Run the chain's steps (each computes and saves one run of tokens between copies) unless a repeat of the
-        composition finds them saved; the tokens they computed."""
-        if chain.digest in self._chains:
+        composition finds them saved; the tokens they computed. background: each step at background priority, sent
+        while no live request is in flight (checks)."""
+        key = self._key(client, chain.digest)
+        if key in self._chains:
             return 0
         for n, transfer in chain.steps:
-            await self.client.prefill(ids[:n], salt, transfer, LIVE)
-        _touch(self._chains, chain.digest)
+            if background:
+                await self._idle()
+            await client.prefill(ids[:n], salt, transfer, BACKGROUND if background else LIVE)
+        _touch(self._chains, key)
         return chain.n_head - chain.n_copied
 
     def _name(self, namespace: str, block) -> str:
         return block_name(namespace, self.rt.fingerprint, list(self.rt.anchor[:block.base]), list(block.token_ids))
 
     def holds(self, namespace: str, block) -> bool:
-        """vLLM has saved this block (as far as this process knows): a request that uses it compiles nothing."""
-        return self._name(namespace, block) in self._blocks
+        """vLLM has saved this block (as far as this process knows; on some replica, without a shared tier): a
+        request that uses it compiles nothing."""
+        name = self._name(namespace, block)
+        return any(self._key(c, name) in self._blocks for c in self.pool.clients)
 
     def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
         """The request's chain, the seam each skill got, and the blocks it copies (record, ids, base)."""
-        plan, ns = prep.plan, prep.params.namespace
-        bases = [b.base for b in prep.blocks]
-        ops = head_ops(plan.segments, bases, prep.seams, list(self.rt.anchor))
-        names = [self._name(ns, b) for b in prep.blocks]
+        return self.chain_for(prep.params.namespace, prep.plan, prep.blocks, prep.seams)
+
+    def chain_for(self, ns: str, plan, blocks, seams: list[int]
+                  ) -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
+        """`plan` composed from `blocks` (BlockRefs) with `seams`: its chain, the seam each block got, the blocks it
+        copies (record, ids, base). The plan is the embedded engine's (service/kv/plan.py)."""
+        composed = plan_ops(plan.segments, [b.base for b in blocks], seams, list(self.rt.anchor))
+        ops = head_of(composed)
+        names = [self._name(ns, b) for b in blocks]
         chain = Chain.build(ops, names, chain_digest(ns, self.rt.fingerprint, plan.ids, ops, names))
-        exact_first = {op.block for op in ops if op.kind == "copy" and op.at == 0}
-        seams = {s.skill_index: (0 if s.skill_index in exact_first else min(prep.seams[s.skill_index], len(s.ids)))
-                 for s in plan.segments if s.kind == "skill" and s.skill_index is not None}
         used = sorted({op.block for op in ops if op.kind == "copy" and op.block is not None})
-        blocks = [(names[i], list(prep.blocks[i].token_ids), prep.blocks[i].base) for i in used]
-        return chain, seams, blocks
+        return chain, composed.seams, [(names[i], list(blocks[i].token_ids), blocks[i].base) for i in used]
 
-    def _forget(self, records: list[str]) -> None:
+    def _forget(self, client, records: list[str]) -> None:
         """Records the connector could not load (gone from the spans dir, corrupt and removed): compiled or computed
-        anew the next time a request needs them."""
+        anew the next time a request needs them (a block the shared index still names is not compiled: the
+        connector takes a record Redis lost out of the index when it misses it)."""
         for name in records:
-            self._blocks.pop(name, None)
+            self._blocks.pop(self._key(client, name), None)
             if name.startswith("step-"):
-                self._chains.pop(name.split("-")[1], None)
+                self._chains.pop(self._key(client, name.split("-")[1]), None)
 
-    def _refine(self, digest: str, head_ids: list[int], namespace: str) -> None:
-        """vLLM prefills the exact head at background priority; the order switches to it when that is done."""
-        if digest in self._refining:
+    def _refine(self, client, digest: str, head_ids: list[int], namespace: str) -> None:
+        """vLLM prefills the exact head at background priority; the order switches to it when that is done (on
+        that replica: vLLM's prefix cache is its own)."""
+        key = f"{self.pool.name(client)}|{digest}"
+        if key in self._refining:
             return
-        self._refining.add(digest)
+        self._refining.add(key)
 
         async def run() -> None:
             try:
-                await self._background(head_ids, exact_salt(namespace))
-                _touch(self._exact, digest)
+                await self._background(client, head_ids, exact_salt(namespace))
+                _touch(self._exact, key)
                 metrics.VLLM_HEADS.labels("refined").inc()
             except Exception as e:  # noqa: BLE001 - a background refinement that fails leaves the order composed
                 log.warning("refinement of a head on vLLM failed: %s", e)
             finally:
-                self._refining.discard(digest)
+                self._refining.discard(key)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def health(self) -> bool:
-        return await self.client.health()
+        """Any replica answers."""
+        return await self.pool.health()
 
     async def start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
         """Build the head inside vLLM (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)`
@@ -212,63 +285,85 @@ class VllmEngine:
             self._live -= 1
             await events.aclose()
 
+    @staticmethod
+    def route(namespace: str, chain: Chain | None, ids: list[int]) -> str:
+        """The routing key: the composition's digest, else the tenant and the prompt's first tokens (a session's
+        turns, a repeated system prompt: the replica whose prefix cache holds them)."""
+        if chain is not None and chain.n_head:
+            return chain.digest
+        return hashlib.sha256(json.dumps([namespace, ids[:ROUTE_TOKENS]]).encode()).hexdigest()[:32]
+
     async def _start(self, prep: "Prepared", finish) -> AsyncIterator["Delta | Final"]:
+        plan = None
+        if prep.mode == "compose" and prep.blocks:
+            plan = self.plan(prep)
+        route = self.route(prep.params.namespace, plan[0] if plan else None, prep.plan.ids)
+        return await self._failover(route, lambda client: self._start_on(client, prep, finish, plan))
+
+    async def _start_on(self, client, prep: "Prepared", finish, planned) -> AsyncIterator["Delta | Final"]:
         from service.runtime.engine import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
-        salt, t_head, transfer, refine, n_step = exact_salt(ns), 0.0, None, None, 0
+        salt, t_head, transfer, n_step = exact_salt(ns), 0.0, None, 0
+        after: list = []  # background work once the response is out: never on its clock
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
         chain = None
-        if prep.mode == "compose" and prep.blocks:
-            chain, pre.seams, blocks = self.plan(prep)
-            if chain.n_head and chain.digest not in self._exact:  # else refined: vLLM's exact prefix, no transfer
+        if planned is not None:
+            chain, seams, blocks = planned
+            pre.seams = dict(seams)
+            # else refined: vLLM's exact prefix, no transfer
+            if chain.n_head and f"{self.pool.name(client)}|{chain.digest}" not in self._exact:
                 salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
-                await asyncio.gather(*(self._compile(name, ids, base, ns) for name, ids, base in blocks))
-                n_step = await self._build(chain, plan.ids, salt)
+                await asyncio.gather(*(self._compile(client, name, ids, base, ns) for name, ids, base in blocks))
+                n_step = await self._build(client, chain, plan.ids, salt)
                 t_head = (time.perf_counter() - t0) * 1e3
                 transfer = {"skillcache": chain.final.to_dict()}
-                _touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
-                metrics.VLLM_HEADS.labels("composed").inc()
-                if self.refine_after and self._seen[chain.digest] >= self.refine_after:
-                    digest, head = chain.digest, plan.ids[:chain.n_head]
-                    refine = lambda: self._refine(digest, head, ns)  # noqa: E731
         h = chain.n_head if chain is not None else 0
         usage, ids = Usage(), plan.ids
         stream = None
         try:
             if prep.tools is not None and prep.tools.options:
-                ids = ids + await self._choose(prep.tools, ids, salt, transfer)
+                ids = ids + await self._choose(client, prep.tools, ids, salt, transfer)
                 pre.n_prompt = len(ids)
-            stream = self.client.stream(ids, prep.params.gen, salt, transfer, usage)
+            stream = client.stream(ids, prep.params.gen, salt, transfer, usage)
             first = await anext(stream)
         except BaseException:
             if stream is not None:
                 await stream.aclose()
             raise
+        if transfer is not None and chain is not None:  # served from here on: counted once, on the replica that did
+            _touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
+            metrics.VLLM_HEADS.labels("composed").inc()
+            if self.refine_after and self._seen[chain.digest] >= self.refine_after:
+                digest, head = chain.digest, plan.ids[:chain.n_head]
+                after.append(lambda: self._refine(client, digest, head, ns))
+            if self.guard is not None and prep.params.late is None:  # as on the embedded engine: a memory's is not
+                check = self.checks.shadow(client, ns, list(ids), salt, transfer)  # the skills' check
+                after.append(lambda: self.guard.maybe_shadow(prep.keys, check))
         ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
         pre.timings_ms["prefill_ms"] = t_head
         records = [p.name for p in chain.final.load] if chain is not None else []
-        events = self._events(prep, first, stream, usage, pre, ttft_ms, h, n_step, salt != exact_salt(ns), finish,
-                              refine, records)
+        events = self._events(client, prep, first, stream, usage, pre, ttft_ms, h, n_step, salt != exact_salt(ns),
+                              finish, after, records)
         parser = prep.tools.parser() if prep.tools is not None else None
         return parsed(events, parser) if parser is not None else events
 
-    async def _choose(self, tools, ids: list[int], salt: str, transfer: dict | None) -> list[int]:
+    async def _choose(self, client, tools, ids: list[int], salt: str, transfer: dict | None) -> list[int]:
         """tool_choice `required` among several tools: vLLM picks the name (its structured output `choice`, greedy,
         from the prompt that ends just before a name; the head loaded as for the reply), the reply then continues
         after the chosen name and the rest of its opening (the embedded engine scores each whole name instead)."""
         texts = [c.text for c in tools.options]
-        picked = await self.client.choose(ids, texts, salt, transfer, 4 * max(len(c.name_ids) + len(c.rest_ids)
-                                                                             for c in tools.options))
+        picked = await client.choose(ids, texts, salt, transfer, 4 * max(len(c.name_ids) + len(c.rest_ids)
+                                                                        for c in tools.options))
         if picked not in texts:  # structured output keeps to the choices: only a vLLM without it gets here
             log.warning("vLLM's choice %r is none of the offered tools; the first is used", picked)
         best = tools.options[texts.index(picked) if picked in texts else 0]
         tools.chosen(best)
         return best.name_ids + best.rest_ids
 
-    async def _events(self, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_step: int,
-                      approx: bool, finish, refine, names: list[str]):
+    async def _events(self, client, prep, first, stream, usage: Usage, pre, ttft_ms: float, h: int, n_step: int,
+                      approx: bool, finish, after: list, names: list[str]):
         text, ids, reason, top, chunk = [], [], None, first.top_logprobs, first
         try:
             while True:
@@ -287,7 +382,7 @@ class VllmEngine:
         if approx and cached < h:  # the connector did not load the whole head: vLLM computed it (nothing wrong served)
             metrics.VLLM_HEADS.labels("rejected").inc()
             log.warning("vLLM computed %d of the %d head tokens skillcache planned to load", h - cached, h)
-            self._forget(names)
+            self._forget(client, names)
         # approximate salt: the head is composed, less what this request's chain steps computed (seams, text between
         # blocks: the first time a composition is served). Beyond the head (h: its length), what vLLM's prefix cache
         # served under the same salt (an earlier turn of a session, a repeated turn) is an automatic head, as on the
@@ -302,10 +397,17 @@ class VllmEngine:
         pre.n_recomputed = n - pre.n_reused - pre.n_prefix
         done = Done(reason or "stop", "".join(text), ids, top)
         yield finish(prep, done, pre, ttft_ms)
-        if refine is not None:  # after the response: never on the sampled request's clock
-            refine()
+        for work in after:
+            work()
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await self.client.close()
+        await self.pool.close()
+        if self.shared is not None:
+            await self.shared.close()
+
+
+if TYPE_CHECKING:
+    def _is_an_engine(e: VllmEngine) -> Engine:
+        return e  # mypy checks VllmEngine against the Engine protocol here

@@ -27,7 +27,7 @@ DEFERRED_TAIL_TOKENS = 64  # prefill_steps(defer_tail=True) leaves a text tail o
 
 @dataclass
 class PrefillResult:
-    cache: DynamicCache  # holds every prompt token; owned by this request only
+    cache: DynamicCache | None  # holds every prompt token; owned by this request only (None: the engine keeps it, vLLM)
     logits: torch.Tensor | None  # [V] float32, the next-token logits after the prompt (None: `tail` still to run)
     n_prompt: int
     n_reused: int  # block tokens copied (re-rotated) instead of recomputed

@@ -17,15 +17,19 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from service.kv.plan import Op, plan_ops
+from service.kv.plan import Op, Plan, plan_ops
 from service.vllm.transfer import Piece, Save, Transfer
 
 
 def head_ops(segments, bases: list[int], seams: list[int], anchor: list[int]) -> list[Op]:
-    """The head of the composition plan (service/kv/plan.py), up to its last copied token (none: nothing to copy,
+    return head_of(plan_ops(segments, bases, seams, anchor))
+
+
+def head_of(plan: Plan) -> list[Op]:
+    """The head of a composition plan (service/kv/plan.py), up to its last copied token (none: nothing to copy,
     vLLM computes it all): what vLLM's connector loads and the steps compute. Copies of one record that follow each
     other (the anchor and the first skill after it) are one piece."""
-    ops = plan_ops(segments, bases, seams, anchor).ops
+    ops = list(plan.ops)
     while ops and ops[-1].kind == "compute":
         ops.pop()
     out: list[Op] = []

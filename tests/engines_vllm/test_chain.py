@@ -66,7 +66,7 @@ def test_clip_keeps_the_pieces_parts_inside_the_window_at_their_own_positions():
 def test_the_first_skill_after_its_anchor_is_one_exact_copy_anchor_included():
     segs = [Segment("text", list(ANCHOR)), skill(0, 30), text(5)]
     ops = head_ops(segs, bases=[len(ANCHOR)], seams=[3], anchor=ANCHOR)
-    assert ops == [Op("copy", 0, 34, 0, 0, exact=True)]  # no seam: it is where it was compiled; the trailing text is vLLM's
+    assert ops == [Op("copy", 0, 34, 0, 0, exact=True)]  # no seam: exact where compiled; the trailing text is vLLM's
 
 
 def test_a_first_skill_with_other_text_before_it_is_not_copied_whole():

@@ -25,6 +25,8 @@ class FakeVllm:
         self.sent: list[dict] = []
         self.up, self.loads = True, True
         self.prefix_cache = False  # True: like vLLM's, per salt, in blocks of BLOCK tokens
+        self.top_exact = [("Hel", -0.1), ("Hi", -2.5)]  # first-token logprobs asked for (fidelity checks)
+        self.top_composed = [("Hel", -0.12), ("Hi", -2.4)]
 
     BLOCK = 16
 
@@ -45,9 +47,13 @@ class FakeVllm:
         head = n_head(transfer) if self.loads else 0
         if self.prefix_cache:
             head = max(head, self._hit(ids, cache_salt))
-        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "max_tokens": gen.max_tokens})
+        self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "max_tokens": gen.max_tokens,
+                          "logprobs": gen.logprobs})
         usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens = len(ids), head, 2
-        yield Chunk("Hel", [1])
+        top = None
+        if gen.logprobs:  # vLLM's top-k of the first position: the full prefill's, or the composed one's
+            top = self.top_exact if cache_salt.startswith("exact:") else self.top_composed
+        yield Chunk("Hel", [1], None, top)
         yield Chunk("lo", [2], "stop")
 
     async def choose(self, ids, choices, cache_salt, transfer, max_tokens) -> str:
@@ -348,9 +354,10 @@ def test_past_a_refined_head_vllms_prefix_cache_counts_as_auto_and_the_head_as_p
     assert u["prefix_tokens"] > h and u["auto_tokens"] == u["prefix_tokens"] - h
 
 
-def test_sections_stay_text_on_vllm_where_its_prefix_cache_serves_the_prompt_exactly(tmp_path):
-    """With automatic reuse on, the embedded engine composes a system prompt's moved sections; on vLLM they stay
-    text: the exact salt, no head sent, so vLLM's prefix cache keeps serving the prompt exactly."""
+def test_sections_compose_on_vllm_where_its_exact_prefix_cache_misses_and_a_repeat_stays_exact(tmp_path):
+    """With automatic reuse on, a system prompt's sections are compiled by vLLM (background priority) on first sight
+    and the prompt goes as text under the exact salt; sent again as it was, it stays text (vLLM's exact prefix cache
+    serves it); the same sections in another order compose: the held blocks loaded into vLLM by the connector."""
     from tests.compose.test_sections import section
 
     fake = FakeVllm()
@@ -359,8 +366,70 @@ def test_sections_stay_text_on_vllm_where_its_prefix_cache_serves_the_prompt_exa
         c.portal.call(state.wait_ready)
         state.pipeline.runner.client = fake
         one, two = section("Refunds"), section("Shipping")
-        for system in (f"{one}\n\n{two}", f"{two}\n\n{one}"):
-            body = compose(c, [], system=system)
+        for _ in range(2):  # first sight, then the same prompt again
+            body = compose(c, [], system=f"{one}\n\n{two}")
             c.portal.call(state.pipeline.guard.drain)
             assert body["skills"] == [] and body["usage"]["composed_tokens"] == 0
-            assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+            final = [x for x in fake.sent if not x.get("prefill")][-1]
+            assert final["salt"] == "exact:default" and final["transfer"] is None
+        compiles = sent_by(fake, "compile")
+        assert len(compiles) == 2 and {x["priority"] for x in compiles} == {vllm_engine.BACKGROUND}
+        body = compose(c, [], system=f"{two}\n\n{one}")  # the exact prefix cache misses this order
+        assert [s["name"][:6] for s in body["skills"]] == ["block-", "block-"] and body["usage"]["composed_tokens"] > 0
+        final = fake.sent[-1]
+        assert final["salt"].startswith("approx:default:") and n_head(final["transfer"]) > 0
+        assert len(sent_by(fake, "compile")) == 2  # both sections were held: nothing compiled for this request
+
+
+def test_shadow_checks_on_vllm_compare_the_composed_head_with_vllms_full_prefill_and_degrade_on_a_miss(tmp_path):
+    """A sampled composed request is checked after its response: its first-token top-k again under its salt (the
+    head in vLLM's prefix cache) and vLLM's full prefill under the exact salt, at background priority. A decisive
+    top-1 that differs degrades the skill: it is then served by vLLM's full prefill."""
+    fake = FakeVllm()
+    with make_client(tmp_path, runtime=tiny_spec(), engine="vllm", shadow_sample_rate=1.0) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        state.pipeline.runner.client = fake
+        for name, text in (("a", TEXT_A), ("b", TEXT_B)):
+            assert c.post("/v1/skills", json={"name": name, "text": text}).status_code in (200, 201)
+        n = len(fake.sent)
+        compose(c, ["a", "b"], "hello")
+        c.portal.call(state.pipeline.guard.drain)
+        checks = [x for x in fake.sent[n:] if x.get("logprobs") or x["salt"] == "exact:default"]
+        composed = [x for x in checks if x.get("logprobs") and x["salt"].startswith("approx:")]
+        full = [x for x in checks if x.get("logprobs") and x["salt"] == "exact:default"]
+        assert len(composed) == 1 and composed[0]["transfer"] is not None and len(full) == 1
+        assert {x["priority"] for x in checks if x.get("prefill")} == {vllm_engine.BACKGROUND}  # the full prefill
+        shadow = c.get("/v1/skills/b").json()["shadow"]
+        assert shadow["checks"] == 1 and shadow["passed"] == 1 and 0 < shadow["tv_max"] < 0.1
+        fake.top_composed = [("Hi", -0.1), ("Hel", -2.5)]  # composition now changes a decisive first token
+        compose(c, ["a", "b"], "hello again")
+        c.portal.call(state.pipeline.guard.drain)
+        assert c.get("/v1/skills/b").json()["degraded"]
+        out = compose(c, ["a", "b"], "and now?")
+        assert "full" in [s["path"] for s in out["skills"]]
+        assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+
+
+def test_seam_calibration_on_vllm_picks_the_smallest_seam_that_keeps_vllms_top1(tmp_path):
+    """seam_auto: a registered skill is calibrated with vLLM requests (probe prompts composed at each candidate seam
+    against vLLM's full prefill); the seam found is what its compositions get."""
+    fake = FakeVllm()
+    with make_client(tmp_path, runtime=tiny_spec(), engine="vllm", seam_auto=True, seam_candidates=[2, 6]) as c:
+        state = c.app.state.skillcache
+        c.portal.call(state.wait_ready)
+        state.pipeline.runner.client = fake
+        assert c.post("/v1/skills", json={"name": "a", "text": TEXT_A}).status_code in (200, 201)
+        c.portal.call(state.pipeline.guard.drain)
+        cal = c.get("/v1/skills/a").json()["calibration"]
+        assert cal["passed"] and cal["seam"] == 2 and cal["n_probes"] == 2 and cal["basis"].startswith("vLLM")
+        assert all(x["priority"] == vllm_engine.BACKGROUND for x in fake.sent if x.get("prefill"))
+        assert c.post("/v1/skills", json={"name": "b", "text": TEXT_B}).status_code in (200, 201)
+        c.portal.call(state.pipeline.guard.drain)
+        out = compose(c, ["a", "b"], "hello")
+        assert [s["seam"] for s in out["skills"]] == [0, 2]  # the first is exact after the anchor; b's calibrated
+        fake.top_composed = [("Hi", -0.1), ("Hel", -2.5)]  # no seam keeps the top-1: the whole block
+        assert c.post("/v1/skills", json={"name": "c", "text": TEXT_A + " more"}).status_code in (200, 201)
+        c.portal.call(state.pipeline.guard.drain)
+        cal = c.get("/v1/skills/c").json()["calibration"]
+        assert not cal["passed"] and cal["seam"] == c.get("/v1/skills/c").json()["n_tokens"]
