@@ -35,15 +35,10 @@ import httpx
 from service.devserver import ROOT, free_port
 from service.vllm.launch import VllmProcess, command, environment, fastest_dtype, model_dir
 
-SHIPPED = ["refund-policy", "shipping-faq", "style-guide", "tool-specs", "account-security", "escalation-playbook"]
-TURNS = ["A customer asks for a refund on a jacket bought 40 days ago. What do I answer?",
-         "Which tool looks up an order, and with which arguments?",
-         "The customer says their password was changed without them. What now?",
-         "Can we ship to Canada, and how long does it take?",
-         "Reply to an angry customer whose parcel is late, in our house style.",
-         "When must I escalate a ticket to a supervisor?",
-         "My order arrived damaged. Who pays for the return shipping?",
-         "Summarize the rules you follow in one sentence."]
+from fidelity_vllm import SHIPPED, TURNS as FIDELITY_TURNS  # noqa: E402  (bench/ is on sys.path)
+
+TURNS = FIDELITY_TURNS + ["My order arrived damaged. Who pays for the return shipping?",
+                          "Summarize the rules you follow in one sentence."]
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 
 
