@@ -67,8 +67,8 @@ done
 vllm_url=$(IFS=,; echo "${urls[*]}")
 echo "run-vllm: skillcache on http://$HOST:$PORT, SKILLCACHE_ENGINE=vllm over $vllm_url; /readyz says ready once" \
   "skillcache and a vLLM replica are up"
-# skillcache runs no forward pass per request in vLLM mode (vLLM compiles the blocks and computes the seams and the
-# turn); its model only tokenizes, fingerprints and runs the start-up self-check. One torch thread is enough for that
-# and leaves every core to vLLM, whose worker also busy-polls a core for a second after each request (its shm queue)
+# skillcache holds no model in vLLM mode (vLLM compiles the blocks and computes the seams and the turn; skillcache
+# tokenizes, plans and fingerprints from the tokenizer and config). One torch thread is enough for that and leaves
+# every core to vLLM, whose worker also busy-polls a core for a second after each request (its shm queue)
 SKILLCACHE_ENGINE=vllm SKILLCACHE_VLLM_URL="$vllm_url" \
   SKILLCACHE_TORCH_THREADS=${SKILLCACHE_TORCH_THREADS:-1} "$PY" -m service --host "$HOST" --port "$PORT"

@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     vllm_refine_after: int = Field(8, ge=0, description="engine vllm: a skill order composed this many times is "
                                    "prefilled exactly by vLLM, at background priority, and served from vLLM's own "
                                    "prefix cache from then on; 0: never")
+    vllm_background_chunk: int = Field(0, ge=0, description="engine vllm: new tokens per background prefill request "
+                                       "(compiles ahead, refinements, checks); 0: one request, so a refined head's "
+                                       "K/V round as vLLM's own prefill of the prompt; N: live requests wait behind "
+                                       "shorter steps")
     vllm_timeout_s: float = Field(300.0, gt=0, description="a whole vLLM request, connect to last token")
 
     # store

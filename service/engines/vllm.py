@@ -36,11 +36,11 @@ from service import metrics
 from service.errors import EngineUnavailable
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
-from service.kv.plan import plan_ops
-from service.vllm.chain import Chain, block_name, chain_digest, head_of
+from service.vllm.background import Background, approx_salt, exact_salt
+from service.vllm.chain import Chain
 from service.vllm.checks import VllmChecks
 from service.vllm.client import Usage, VllmClient, VllmPool
-from service.vllm.transfer import Save, Transfer
+from service.vllm.heads import VllmHeads, touch
 
 if TYPE_CHECKING:
     from service.compose.guard import FidelityGuard
@@ -48,30 +48,7 @@ if TYPE_CHECKING:
     from service.engines import Engine
 
 log = logging.getLogger(__name__)
-LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the server runs --scheduling-policy priority)
-# Background prefills (compiles ahead, refinements) go in requests of at most this many new tokens, each sent only
-# while no live request is in flight: vLLM's priority orders its queue, but a step still batches a running background
-# prefill's chunk with live decodes (measured: 8 streams at 0.34x vLLM alone's tokens/s while three 2.4k-token
-# refinements ran). Chunks under one salt hit vLLM's prefix cache for what the earlier ones computed.
-BACKGROUND_CHUNK = 256
-IDLE_WAIT_S = 30.0  # at most this long behind live traffic; then it goes anyway (a live count that never drains)
-KNOWN = 4096  # compositions and saved blocks remembered (LRU)
 ROUTE_TOKENS = 256  # a request with no composed head is routed by its tenant and this many first tokens
-
-
-def exact_salt(namespace: str) -> str:
-    return f"exact:{namespace}"
-
-
-def approx_salt(namespace: str, digest: str) -> str:
-    return f"approx:{namespace}:{digest}"
-
-
-def _touch(lru: OrderedDict, key: str, value=None) -> None:
-    lru.pop(key, None)
-    lru[key] = value
-    while len(lru) > KNOWN:
-        lru.popitem(last=False)
 
 
 class VllmEngine:
@@ -82,8 +59,8 @@ class VllmEngine:
                  pool: VllmPool | None = None, shared=None) -> None:
         self.settings = settings
         self.rt = runtime  # its tokenizer's anchor and fingerprint; vLLM runs the model
-        self.pool = pool or (VllmPool([client]) if client is not None else
-                             VllmPool.from_urls(settings.vllm_urls, settings.vllm_model, settings.vllm_timeout_s))
+        pool = pool or (VllmPool([client]) if client is not None else
+                        VllmPool.from_urls(settings.vllm_urls, settings.vllm_model, settings.vllm_timeout_s))
         if shared is None and getattr(settings, "vllm_spans_redis", None):
             from service.vllm.spans import SharedIndex
 
@@ -91,16 +68,19 @@ class VllmEngine:
         self.shared = shared  # the shared spans tier's index (None: each replica's spans dir alone)
         self.refine_after = settings.vllm_refine_after
         self._seen: OrderedDict[str, int] = OrderedDict()  # composition digest -> times served
-        # what vLLM has saved: keyed by record (shared tier) or by replica and record (_key)
-        self._chains: OrderedDict[str, None] = OrderedDict()  # compositions whose steps vLLM has run and saved
-        self._blocks: OrderedDict[str, None] = OrderedDict()  # block records vLLM has saved
-        self._compiling: dict[str, asyncio.Future] = {}
-        self._exact: OrderedDict[str, None] = OrderedDict()  # (replica, digest) whose exact head vLLM has prefilled
-        self._refining: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
-        self._live = 0  # live requests in flight (their composition started, their stream not yet closed)
+        self.bg = Background(settings.vllm_background_chunk)  # live requests in flight; background work waits for them
+        self.heads = VllmHeads(runtime, pool, shared, self.bg)  # what vLLM has saved, how heads get built
         self.checks = VllmChecks(self)  # calibrations and shadow checks as vLLM requests
         self.guard: "FidelityGuard | None" = None  # the pipeline's (ComposePipeline.use_engine): samples shadow checks
+
+    @property
+    def pool(self) -> VllmPool:
+        """The replicas (what vLLM saved is known per replica unless a shared tier holds the records)."""
+        return self.heads.pool
+
+    @pool.setter
+    def pool(self, pool: VllmPool) -> None:
+        self.heads.pool = pool
 
     @property
     def client(self):
@@ -110,11 +90,6 @@ class VllmEngine:
     @client.setter
     def client(self, client) -> None:
         self.pool = VllmPool([client])
-
-    def _key(self, client, name: str) -> str:
-        """What vLLM saved (a record, a composition's steps) as this process knows it: the record's name when the
-        replicas share their records, else the replica's URL and the name."""
-        return name if self.shared is not None else f"{self.pool.name(client)}|{name}"
 
     async def _failover(self, route: str, call):
         """`call(client)` on the route's replicas in order, until one answers (EngineUnavailable: the next)."""
@@ -134,132 +109,18 @@ class VllmEngine:
         assert last is not None
         raise last
 
-    # ---- blocks and chains -----------------------------------------------------------------
-    async def _idle(self) -> None:
-        deadline = time.monotonic() + IDLE_WAIT_S
-        while self._live > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-    async def _background(self, client, ids: list[int], salt: str, save: Save | None = None) -> None:
-        """vLLM prefills `ids` behind live traffic: in chunks of BACKGROUND_CHUNK new tokens, each while nothing live
-        is in flight, at background priority; `save` goes with the last chunk (the connector saves the span from the
-        request's blocks, prefix-cache hits included)."""
-        ends = list(range(BACKGROUND_CHUNK, len(ids), BACKGROUND_CHUNK)) + [len(ids)]
-        for end in ends:
-            await self._idle()
-            last = end == len(ids)
-            await client.prefill(ids[:end], salt, Transfer(save=save) if last and save else None, BACKGROUND)
-
     async def compile_block(self, namespace: str, block) -> None:
         """A registered skill's block compiled ahead of use, at background priority (registration, start-up)."""
-        name = self._name(namespace, block)
-        await self._failover(name, lambda client: self._compile(client, name, list(block.token_ids), block.base,
-                                                                 namespace, BACKGROUND))
-
-    async def _compile(self, client, name: str, ids: list[int], base: int, namespace: str,
-                       priority: int = LIVE) -> None:
-        """vLLM prefills the block in its canonical context (the anchor's first `base` tokens, then the block) and
-        the connector saves it; once per record (single flight), and not at all when the shared tier holds it."""
-        key = self._key(client, name)
-        if key in self._blocks:
-            return
-        fut = self._compiling.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._compiling[key] = fut
-            try:
-                if self.shared is not None and await self.shared.has(name):
-                    metrics.VLLM_HEADS.labels("shared").inc()
-                else:
-                    t0 = time.perf_counter()
-                    prompt = list(self.rt.anchor[:base]) + list(ids)
-                    save, salt = Save(name, 0, len(prompt)), f"compile:{namespace}"
-                    metrics.VLLM_COMPILES.labels(self.pool.name(client)).inc()
-                    if priority == LIVE:
-                        await client.prefill(prompt, salt, Transfer(save=save), LIVE)
-                    else:
-                        await self._background(client, prompt, salt, save)
-                    metrics.VLLM_HEADS.labels("compiled").inc()
-                    metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
-                _touch(self._blocks, key)
-                fut.set_result(None)
-            except BaseException as e:
-                fut.set_exception(e)
-                fut.exception()  # retrieved: a compile nobody else awaited logs nothing
-                raise
-            finally:
-                self._compiling.pop(key, None)
-        else:
-            await fut
-
-    async def _build(self, client, chain: Chain, ids: list[int], salt: str, background: bool = False) -> int:
-        """Run the chain's steps (each computes and saves one run of tokens between copies) unless a repeat of the
-        composition finds them saved; the tokens they computed. background: each step at background priority, sent
-        while no live request is in flight (checks)."""
-        key = self._key(client, chain.digest)
-        if key in self._chains:
-            return 0
-        for n, transfer in chain.steps:
-            if background:
-                await self._idle()
-            await client.prefill(ids[:n], salt, transfer, BACKGROUND if background else LIVE)
-        _touch(self._chains, key)
-        return chain.n_head - chain.n_copied
-
-    def _name(self, namespace: str, block) -> str:
-        return block_name(namespace, self.rt.fingerprint, list(self.rt.anchor[:block.base]), list(block.token_ids))
+        name = self.heads.name(namespace, block)
+        await self._failover(name, lambda client: self.heads.compile(client, name, list(block.token_ids), block.base,
+                                                                     namespace, background=True))
 
     def holds(self, namespace: str, block) -> bool:
-        """vLLM has saved this block (as far as this process knows; on some replica, without a shared tier): a
-        request that uses it compiles nothing."""
-        name = self._name(namespace, block)
-        return any(self._key(c, name) in self._blocks for c in self.pool.clients)
+        return self.heads.holds(namespace, block)
 
     def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
         """The request's chain, the seam each skill got, and the blocks it copies (record, ids, base)."""
-        return self.chain_for(prep.params.namespace, prep.plan, prep.blocks, prep.seams)
-
-    def chain_for(self, ns: str, plan, blocks, seams: list[int]
-                  ) -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:
-        """`plan` composed from `blocks` (BlockRefs) with `seams`: its chain, the seam each block got, the blocks it
-        copies (record, ids, base). The plan is the embedded engine's (service/kv/plan.py)."""
-        composed = plan_ops(plan.segments, [b.base for b in blocks], seams, list(self.rt.anchor))
-        ops = head_of(composed)
-        names = [self._name(ns, b) for b in blocks]
-        chain = Chain.build(ops, names, chain_digest(ns, self.rt.fingerprint, plan.ids, ops, names))
-        used = sorted({op.block for op in ops if op.kind == "copy" and op.block is not None})
-        return chain, composed.seams, [(names[i], list(blocks[i].token_ids), blocks[i].base) for i in used]
-
-    def _forget(self, client, records: list[str]) -> None:
-        """Records the connector could not load (gone from the spans dir, corrupt and removed): compiled or computed
-        anew the next time a request needs them (a block the shared index still names is not compiled: the
-        connector takes a record Redis lost out of the index when it misses it)."""
-        for name in records:
-            self._blocks.pop(self._key(client, name), None)
-            if name.startswith("step-"):
-                self._chains.pop(self._key(client, name.split("-")[1]), None)
-
-    def _refine(self, client, digest: str, head_ids: list[int], namespace: str) -> None:
-        """vLLM prefills the exact head at background priority; the order switches to it when that is done (on
-        that replica: vLLM's prefix cache is its own)."""
-        key = f"{self.pool.name(client)}|{digest}"
-        if key in self._refining:
-            return
-        self._refining.add(key)
-
-        async def run() -> None:
-            try:
-                await self._background(client, head_ids, exact_salt(namespace))
-                _touch(self._exact, key)
-                metrics.VLLM_HEADS.labels("refined").inc()
-            except Exception as e:  # noqa: BLE001 - a background refinement that fails leaves the order composed
-                log.warning("refinement of a head on vLLM failed: %s", e)
-            finally:
-                self._refining.discard(key)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return self.heads.chain_for(prep.params.namespace, prep.plan, prep.blocks, prep.seams)
 
     async def health(self) -> bool:
         """Any replica answers."""
@@ -269,11 +130,11 @@ class VllmEngine:
         """Build the head inside vLLM (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)`
         builds the Final (the pipeline's, shared with the embedded engine). Errors before the first token raise.
         In flight from here to the stream's end: background prefills wait meanwhile."""
-        self._live += 1
+        self.bg.live += 1
         try:
             events = await self._start(prep, finish)
         except BaseException:
-            self._live -= 1
+            self.bg.live -= 1
             raise
         return self._counted(events)
 
@@ -282,7 +143,7 @@ class VllmEngine:
             async for item in events:
                 yield item
         finally:
-            self._live -= 1
+            self.bg.live -= 1
             await events.aclose()
 
     @staticmethod
@@ -312,11 +173,11 @@ class VllmEngine:
             chain, seams, blocks = planned
             pre.seams = dict(seams)
             # else refined: vLLM's exact prefix, no transfer
-            if chain.n_head and f"{self.pool.name(client)}|{chain.digest}" not in self._exact:
+            if chain.n_head and not self.heads.refined(client, chain.digest):
                 salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
-                await asyncio.gather(*(self._compile(client, name, ids, base, ns) for name, ids, base in blocks))
-                n_step = await self._build(client, chain, plan.ids, salt)
+                await asyncio.gather(*(self.heads.compile(client, name, ids, base, ns) for name, ids, base in blocks))
+                n_step = await self.heads.build(client, chain, plan.ids, salt)
                 t_head = (time.perf_counter() - t0) * 1e3
                 transfer = {"skillcache": chain.final.to_dict()}
         h = chain.n_head if chain is not None else 0
@@ -333,11 +194,11 @@ class VllmEngine:
                 await stream.aclose()
             raise
         if transfer is not None and chain is not None:  # served from here on: counted once, on the replica that did
-            _touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
+            touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
             metrics.VLLM_HEADS.labels("composed").inc()
             if self.refine_after and self._seen[chain.digest] >= self.refine_after:
                 digest, head = chain.digest, plan.ids[:chain.n_head]
-                after.append(lambda: self._refine(client, digest, head, ns))
+                after.append(lambda: self.heads.refine(client, digest, head, ns))
             if self.guard is not None and prep.params.late is None:  # as on the embedded engine: a memory's is not
                 check = self.checks.shadow(client, ns, list(ids), salt, transfer)  # the skills' check
                 after.append(lambda: self.guard.maybe_shadow(prep.keys, check))
@@ -382,7 +243,7 @@ class VllmEngine:
         if approx and cached < h:  # the connector did not load the whole head: vLLM computed it (nothing wrong served)
             metrics.VLLM_HEADS.labels("rejected").inc()
             log.warning("vLLM computed %d of the %d head tokens skillcache planned to load", h - cached, h)
-            self._forget(client, names)
+            self.heads.forget(client, names)
         # approximate salt: the head is composed, less what this request's chain steps computed (seams, text between
         # blocks: the first time a composition is served). Beyond the head (h: its length), what vLLM's prefix cache
         # served under the same salt (an earlier turn of a session, a repeated turn) is an automatic head, as on the
@@ -401,8 +262,7 @@ class VllmEngine:
             work()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self.bg.close()
         await self.pool.close()
         if self.shared is not None:
             await self.shared.close()

@@ -64,7 +64,7 @@ class Chain:
     def build(cls, ops: list[Op], names: list[str], digest: str) -> "Chain":
         """names[i]: block i's record. Step records are `step-<digest>-<j>`."""
         pieces: list[Piece] = []
-        steps = []
+        steps: list[tuple[int, Transfer]] = []
         for op in ops:
             if op.kind == "copy":
                 assert op.block is not None

@@ -1,6 +1,6 @@
 """The vLLM engine's fidelity checks, as vLLM requests: seam calibration and shadow checks compare a composed prompt's
 first-token top-k logprobs with vLLM's full prefill of the same ids (service/vllm/fidelity.py). vLLM computes both;
-every prefill goes at background priority, in chunks, while no live request is in flight (VllmEngine._background).
+every prefill goes at background priority, in chunks, while no live request is in flight (service/vllm/background.py).
 
 The FidelityGuard (service/compose/guard.py) decides when a check runs and what its result changes, as on the
 embedded engine (service/engines/embedded_checks.py): a failed shadow check serves the skill by full prefill, a
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from service.errors import ServiceError
 from service.kv.blockref import BlockRef
 from service.runtime.params import GenParams
+from service.vllm.background import approx_salt, exact_salt
 from service.vllm.client import Usage
 from service.vllm.fidelity import TOP_K, top_agreement
 
@@ -68,20 +69,17 @@ class VllmChecks:
 
     async def _full(self, client, namespace: str, ids: list[int]) -> list[tuple[str, float]]:
         """vLLM's full prefill of `ids` (exact: the namespace's exact salt), prefilled behind live traffic first."""
-        from service.engines.vllm import exact_salt
-
-        await self.e._background(client, ids[:-1], exact_salt(namespace))
+        await self.e.bg.prefill(client, ids[:-1], exact_salt(namespace))
         return await self._top(client, ids, exact_salt(namespace), None)
 
     async def _composed(self, client, namespace: str, plan, blocks, seams: list[int]) -> list[tuple[str, float]]:
         """`plan` composed from `blocks` with `seams`, built inside vLLM at background priority."""
-        from service.engines.vllm import BACKGROUND, approx_salt
-
-        chain, _, used = self.e.chain_for(namespace, plan, blocks, seams)
+        heads = self.e.heads
+        chain, _, used = heads.chain_for(namespace, plan, blocks, seams)
         salt = approx_salt(namespace, chain.digest)
         for name, ids, base in used:
-            await self.e._compile(client, name, ids, base, namespace, BACKGROUND)
-        await self.e._build(client, chain, plan.ids, salt, background=True)
+            await heads.compile(client, name, ids, base, namespace, background=True)
+        await heads.build(client, chain, plan.ids, salt, background=True)
         transfer = {"skillcache": chain.final.to_dict()} if chain.n_head else None
         return await self._top(client, plan.ids, salt, transfer)
 
@@ -95,18 +93,18 @@ class VllmChecks:
             for system, neighbour_text, user in PROBES:
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
                 blocks: list = [block]
-                seams: Callable[[int], list[int]] = lambda k: [k]  # noqa: E731
+                lead: list[int] = []  # the seams before the block's: a neighbour computed whole
                 if neighbour_text:
                     n_ids = rt.prompts.encode_content(neighbour_text)
                     blocks = [BlockRef(n_ids, len(rt.anchor)), block]
-                    seams = lambda k, n=len(n_ids): [n, k]  # noqa: E731
+                    lead = [len(n_ids)]
                 plan = rt.prompts.build(msgs, [b.token_ids for b in blocks])
-                cases.append((plan, blocks, seams, await self._full(client, ns, plan.ids)))
+                cases.append((plan, blocks, lead, await self._full(client, ns, plan.ids)))
             best = None
             n = len(block.token_ids)
             for k in sorted({c for c in self.s.seam_candidates if c < n}) + [n]:
-                fids = [top_agreement(await self._composed(client, ns, plan, blocks, seams(k)), full,
-                                      self.s.fidelity_tie_margin) for plan, blocks, seams, full in cases]
+                fids = [top_agreement(await self._composed(client, ns, plan, blocks, lead + [k]), full,
+                                      self.s.fidelity_tie_margin) for plan, blocks, lead, full in cases]
                 decisive = [f for f in fids if f["decisive"]]
                 top1 = sum(f["top1_agree"] for f in decisive) / len(decisive) if decisive else 1.0
                 best = (k, all(f["ok"] for f in fids), top1, max(f["tv"] for f in fids))
@@ -125,7 +123,7 @@ class VllmChecks:
         async def check(started: Callable[[], None]) -> dict | None:
             started()
             try:
-                await self.e._idle()
+                await self.e.bg.idle()
                 composed = await self._top(client, ids, salt, transfer)
                 full = await self._full(client, namespace, ids)
                 return top_agreement(composed, full, self.s.fidelity_tie_margin)

@@ -159,9 +159,9 @@ def test_refinement_moves_a_repeated_order_to_vllms_exact_prefix(client, vllm):
         first = compose(client, ["shipping", "returns"], "Which countries do you ship to?")
         assert first["usage"]["composed_tokens"] > 100
         deadline = time.monotonic() + 120
-        while not runner._exact and time.monotonic() < deadline:  # vLLM prefills the exact head in the background
+        while not runner.heads.exact and time.monotonic() < deadline:  # vLLM prefills the exact head in the background
             time.sleep(0.5)
-        assert runner._exact
+        assert runner.heads.exact
         before = sources(vllm)
         u = compose(client, ["shipping", "returns"], "Are gift cards returnable?")["usage"]
         moved = delta(before, sources(vllm))

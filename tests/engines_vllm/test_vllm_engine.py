@@ -8,7 +8,7 @@ import pytest
 from appclient import make_client
 from tiny import tiny_spec
 from service import metrics
-from service.engines import vllm as vllm_engine
+from service.vllm import background as vllm_engine
 from service.compose.pipeline import ComposeParams, SkillRef
 from service.errors import EngineUnavailable
 from service.vllm.client import Chunk
@@ -168,15 +168,15 @@ def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
     assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
     assert out["usage"]["composed_tokens"] == 0
     assert approx.startswith("approx:default:")
-    from service.engines.vllm import approx_salt, exact_salt
+    from service.vllm.background import approx_salt, exact_salt
 
     assert approx_salt("other", "d") != approx_salt("default", "d") and exact_salt("other") != exact_salt("default")
 
 
-def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env, monkeypatch):
+def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env):
     c, fake, runner, _ = env
     runner.refine_after = 1
-    monkeypatch.setattr(vllm_engine, "BACKGROUND_CHUNK", 64)
+    runner.bg.chunk = 64  # SKILLCACHE_VLLM_BACKGROUND_CHUNK
     compose(c, ["b", "a"])
     composed = [x for x in fake.sent if not x.get("prefill")][-1]
     chunks = [x for x in fake.sent if x["salt"] == "exact:default"]  # after the response, under the exact salt
@@ -190,14 +190,24 @@ def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_
     assert out["usage"]["prefix_tokens"] == 0  # the fake's prefix cache is empty: what vLLM reports is what counts
 
 
+def test_by_default_a_refinement_is_one_request_as_vllm_alone_would_prefill_the_prompt(env):
+    c, fake, runner, _ = env
+    runner.refine_after = 1
+    assert runner.bg.chunk == 0
+    compose(c, ["b", "a"])
+    composed = [x for x in fake.sent if not x.get("prefill")][-1]
+    (refine,) = [x for x in fake.sent if x["salt"] == "exact:default"]
+    assert refine["priority"] > 0 and refine["ids"] == composed["ids"][:n_head(composed["transfer"])]
+
+
 def test_background_prefills_wait_while_a_live_request_is_in_flight(env):
     c, fake, runner, _ = env
-    runner._live = 1  # a live stream in flight
+    runner.bg.live = 1  # a live stream in flight
     runner.refine_after = 1
     compose(c, ["a", "b"], "first")
     c.portal.call(__import__("asyncio").sleep, 0.3)
     assert not [x for x in fake.sent if x["salt"] == "exact:default"]  # the refinement waits
-    runner._live = 0
+    runner.bg.live = 0
     c.portal.call(__import__("asyncio").sleep, 0.3)
     assert [x for x in fake.sent if x["salt"] == "exact:default"]
 

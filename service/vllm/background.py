@@ -1,0 +1,68 @@
+"""Background work on vLLM: what runs behind live traffic and how (compiles ahead, refinements, calibrations, shadow
+checks). The one place that picks a vLLM request's priority and when background work may send it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+
+from service.vllm.transfer import Save, Transfer
+
+LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the server runs --scheduling-policy priority)
+# A background prefill (a compile ahead, a refinement, a check's full prefill) is sent only while no live request is
+# in flight: vLLM's priority orders its queue, but a step still batches a running background prefill with live
+# decodes. SKILLCACHE_VLLM_BACKGROUND_CHUNK > 0 splits it into requests of at most that many new tokens (each under one
+# salt hits vLLM's prefix cache for what the earlier ones computed): a live request waits behind a shorter step, but
+# K/V computed against a cached prefix differ in their rounding from vLLM's own prefill of the whole prompt (bf16:
+# greedy-32 of a head refined in chunks of 256 identical to vLLM alone's in 3/8 cases, in one request 7/8;
+# docs/BENCHMARKS.md). 0 (the default): one request.
+IDLE_WAIT_S = 30.0  # at most this long behind live traffic; then it goes anyway (a live count that never drains)
+
+
+def exact_salt(namespace: str) -> str:
+    """vLLM's prefix cache entries of exact prompts (full prefills, refined heads) of one tenant."""
+    return f"exact:{namespace}"
+
+
+def approx_salt(namespace: str, digest: str) -> str:
+    """Composed K/V of one composition: a repeat of it reads them, nothing else does."""
+    return f"approx:{namespace}:{digest}"
+
+
+class Background:
+    """Counts live requests in flight and sends background work only while there are none."""
+
+    def __init__(self, chunk: int = 0) -> None:
+        self.chunk = chunk  # new tokens per background request (0: the whole prefill in one)
+        self.live = 0  # live requests in flight (their composition started, their stream not yet closed)
+        self._tasks: set[asyncio.Task] = set()
+
+    def priority(self, background: bool) -> int:
+        return BACKGROUND if background else LIVE
+
+    async def idle(self) -> None:
+        """Returns once no live request is in flight (at most IDLE_WAIT_S later)."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while self.live > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def prefill(self, client, ids: list[int], salt: str, save: Save | None = None) -> None:
+        """vLLM prefills `ids` behind live traffic, at background priority, while nothing live is in flight: in one
+        request, or in chunks of `chunk` new tokens; `save` goes with the last (the connector saves the span from the
+        request's blocks, prefix-cache hits included)."""
+        ends = (list(range(self.chunk, len(ids), self.chunk)) if self.chunk > 0 else []) + [len(ids)]
+        for end in ends:
+            await self.idle()
+            last = end == len(ids)
+            await client.prefill(ids[:end], salt, Transfer(save=save) if last and save else None, BACKGROUND)
+
+    def spawn(self, work: Coroutine) -> None:
+        """Runs `work` as a task this object keeps until it ends (cancelled by close)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
