@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from service.vllm.paged import LayoutError, SlotIndex, learn
+from service.vllm.paged import LayoutError, SlotIndex, learn, write_piece
 from service.vllm.spans import SpanError, SpanStore, model_key, remote_tier
 from service.vllm.transfer import Piece, Transfer, TransferError
 
@@ -236,12 +236,9 @@ class SkillcacheConnector(KVConnectorBase_V1):
             at += b - a
             for li, layer in layers:
                 cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-                k = span.k[li, a:b]  # [T, H, D] this rank's heads
-                if p.delta:
-                    k = self.rotator.rotate(k.transpose(0, 1)[None], p.delta, li)[0].transpose(0, 1)
-                dev, dt = cache.device, cache.dtype
-                layer.impl.do_kv_cache_update(layer, k.to(dev, dt).contiguous(), span.v[li, a:b].to(dev, dt),
-                                              cache, slots_cpu.to(dev))
+                write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+                # [T, H, D] this rank's heads
+                write_piece(self.rotator, li, span.k[li, a:b], span.v[li, a:b], p.delta, cache, slots_cpu, write)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -1,4 +1,7 @@
-"""Reading K/V back out of vLLM's paged cache, whatever layout the attention backend packs it in.
+"""K/V into and out of vLLM's paged cache, whatever layout the attention backend packs it in.
+
+Writing (`write_piece`): a saved span's K/V, keys re-rotated to their new positions on the cache's device (a GPU
+rotates there: only the record crosses the bus), put in place by the backend's own cache write. Reading back:
 
 The connector writes with the backend's own cache write (`impl.do_kv_cache_update`), so it never needs to know the
 layout to load. To save (the K/V vLLM computed for a block or a step, service/vllm/connector.py), it must read slots
@@ -22,6 +25,17 @@ import torch
 
 # write(k [T, H, D], v [T, H, D], cache, slots [T] int64): the backend's own cache write into `cache`
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def write_piece(rotator, layer: int, k: torch.Tensor, v: torch.Tensor, delta: int, cache: torch.Tensor,
+                slots: torch.Tensor, write: Write) -> None:
+    """One layer of one piece into `cache`: k, v [T, H, D] (post-RoPE at the positions they were saved at) moved by
+    `delta` positions (rotator: service/kv/rope.py, KeyRotator) and written to `slots` [T] with `write`."""
+    dev, dt = cache.device, cache.dtype
+    k = k.to(dev)
+    if delta:
+        k = rotator.rotate(k.transpose(0, 1)[None], delta, layer)[0].transpose(0, 1)  # via [1, H, T, D]
+    write(k.to(dt).contiguous(), v.to(dev, dt), cache, slots.to(dev))
 
 
 class LayoutError(Exception):

@@ -50,3 +50,15 @@ def test_decode_bench_runs_both_arms_on_a_random_weight_config(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["arm"], r["batch"]) for r in rows] == [("dynamic", 1), ("batched", 1), ("batched", 2)]
     assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_gpu_head_assembly_script_checks_the_connectors_write_on_flash_attentions_layout(tmp_path):
+    """bench/gpu/assemble_head.py (issue 49, the GPU item) on the two-layer llama-smoke shape, on CPU: the head written
+    through service/vllm/paged.write_piece reads back as RoPE applied at the target positions."""
+    out = tmp_path / "assemble.json"
+    subprocess.run([sys.executable, "bench/gpu/assemble_head.py", "--model", "llama-smoke", "--tokens", "512",
+                    "--device", "cpu", "--repeats", "1", "--json", str(out)], cwd=ROOT, check=True, timeout=300,
+                   capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["ok"] and r["n_head"] == 32 + 512 and r["write"].startswith("torch")
+    assert all(c["values_equal"] and c["min_cosine"] > 0.999 for c in r["check"].values())
