@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -14,7 +15,7 @@ from service.runtime.engine import ModelRuntime
 @dataclass
 class SelfCheckReport:
     ok: bool
-    max_abs_err: float  # moved K and V vs K and V computed at the offset, every layer
+    max_abs_err: float | None  # moved K and V vs K and V computed at the offset, every layer (None: not measured)
     tolerance: float
     offset: int
     n_tokens: int
@@ -23,7 +24,11 @@ class SelfCheckReport:
     error: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-safe (/readyz shows it): an error that is not a finite number is None."""
+        d = asdict(self)
+        if d["max_abs_err"] is not None and not math.isfinite(d["max_abs_err"]):
+            d["max_abs_err"] = None
+        return d
 
 
 def run_selfcheck(rt: ModelRuntime, n_tokens: int = 16, offset: int = 777) -> SelfCheckReport:
@@ -54,5 +59,5 @@ def run_selfcheck(rt: ModelRuntime, n_tokens: int = 16, offset: int = 777) -> Se
         return SelfCheckReport(ok, err, tol, offset, n_tokens, rt.rotator.rope_types,
                                (time.perf_counter() - t0) * 1e3, None if ok else "re-rotation mismatch")
     except Exception as e:  # a failed check must not crash startup: the service reports not-ready
-        return SelfCheckReport(False, float("nan"), 0.0, offset, n_tokens, rt.rotator.rope_types,
+        return SelfCheckReport(False, None, 0.0, offset, n_tokens, rt.rotator.rope_types,
                                (time.perf_counter() - t0) * 1e3, f"{type(e).__name__}: {e}")

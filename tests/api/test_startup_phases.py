@@ -33,3 +33,19 @@ def test_readyz_names_the_phase_while_starting_and_the_log_has_each_phases_durat
     assert "start-up: self-check ..." in lines
     assert any(line.startswith("start-up: self-check done in ") for line in lines)
     assert any(line.startswith("start-up: ready after ") for line in lines)
+
+
+def test_a_self_check_that_raises_is_reported_by_readyz_as_json_not_a_500(monkeypatch):
+    """A self-check that fails with an exception (no error measured) still gives /readyz a JSON body: 503, the error
+    named, max_abs_err null (it was NaN, which JSON cannot carry: /readyz answered 500)."""
+    import json
+
+    from tests.tiny import tiny_runtime
+
+    rt = tiny_runtime("llama")
+    monkeypatch.setattr(rt, "compile_block", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    report = selfcheck.run_selfcheck(rt).to_dict()
+    assert report["ok"] is False and report["max_abs_err"] is None and "boom" in report["error"]
+    json.dumps(report, allow_nan=False)
+    nan = selfcheck.SelfCheckReport(False, float("nan"), 0.0, 1, 1, [], 0.0, "x").to_dict()
+    assert nan["max_abs_err"] is None
