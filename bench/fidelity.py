@@ -312,7 +312,7 @@ def refined_prefix(rt, plan):
     if len(ends) < 2:
         return None  # one skill is exact already: the service does not refine it
     from service.config import Settings
-    from service.runtime.engine import run_steps
+    from service.runtime.steps import run_steps
 
     return run_steps(rt.exact_prefix_steps(plan.ids[:ends[-1]], Settings().background_chunk_tokens))
 

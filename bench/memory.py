@@ -65,7 +65,7 @@ def main() -> None:
     from service.kv.cache import block_from_cache, cache_from_block, new_cache
     from service.main import create_app
     from service.runtime.decode import Done, generate
-    from service.runtime.engine import run_steps
+    from service.runtime.steps import run_steps
     from service.runtime.late import late_turn_steps
     from service.runtime.params import GenParams
 

@@ -48,7 +48,7 @@ def _floor(rt, plan, end: int, repeats: int) -> float:
 
 def _refined_prefix(rt, plan):
     """The exact K/V of the prompt through its last skill, built as the service's idle worker builds it."""
-    from service.runtime.engine import run_steps
+    from service.runtime.steps import run_steps
 
     return run_steps(rt.exact_prefix_steps(plan.ids[:plan.skill_ends()[-1]]))
 

@@ -78,10 +78,7 @@ class AppState:
                 self.settings.max_skill_tokens, rt.max_positions,
             )
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.engine)
-            if self.settings.engine == "vllm":
-                from service.engines.vllm import VllmEngine
-
-                self.pipeline.use_engine(VllmEngine(self.settings, rt))
+            self.pipeline.use_engine(self._build_engine(self.pipeline))
             self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine,
                                            refs=self.pipeline.runner.compiles_blocks)
             self.sessions = SessionManager(self.pipeline, self.memories)
@@ -94,6 +91,16 @@ class AppState:
             self.load_error = f"{type(e).__name__}: {e}"
         finally:
             self.phases.finish(self._ready)
+
+    def _build_engine(self, pipeline: ComposePipeline):
+        """What serves prepared requests: vLLM (SKILLCACHE_ENGINE=vllm) or this process's model."""
+        if self.settings.engine == "vllm":
+            from service.engines.vllm import VllmEngine
+
+            return VllmEngine(self.settings, pipeline.rt)
+        from service.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(self.settings, pipeline.rt, self.engine, pipeline.refiner, pipeline.guard, pipeline.auto)
 
     async def _build_runtime(self):
         if self.settings.engine == "vllm":  # tokenizer, config, RoPE: vLLM runs the model, no weight is read here

@@ -20,7 +20,7 @@ from service import metrics
 
 if TYPE_CHECKING:
     from service.kv.radix import HeadMatch
-    from service.runtime.engine import PrefillResult
+    from service.runtime.steps import PrefillResult
     from service.runtime.prompt import PromptPlan
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service import metrics
+from service.compose import background
 from service.compose.sections import Part, split_parts
 from service.errors import ServiceError
 from service.kv.blockref import BlockRef
@@ -162,7 +163,7 @@ class AutoBlocks:
         try:
             steps = self.rt.compile_block_steps(ids, chunk=self.s.background_chunk_tokens)
             # seen once, the compile is a guess: it runs only while the engine is idle; seen again, in the share
-            block = await self.guard.run_background(steps, priority=-float(len(ids)),
+            block = await self.guard.run_background(steps, priority=background.section_compile(len(ids)),
                                                     idle_only=lambda: self._seen.get(str(key), 0) < 2)
             if block is None:  # the engine's background backlog was full: a later sighting queues it again
                 metrics.AUTO_BLOCKS.labels("dropped").inc()

@@ -24,8 +24,8 @@ from service.compose.edits import SkillEdit, check_fields, plan_edit
 from service.errors import InvalidRequest, LimitExceeded, ServiceError
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
+from service.compose.usage import count, timings_of, usage_of
 from service.compose.tooluse import ToolsPrep, check_block_size
-from service.engines.embedded import EmbeddedEngine
 from service.kv.layout import LAYOUT_VERSION
 from service.registry.registry import SkillRegistry
 from service.registry.skill import SkillRecord, TextBlock
@@ -35,13 +35,14 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
-    from service.engines import Engine
+    from service.compose.engine import Engine
     from service.compose.autoblocks import SystemParts
     from service.kv.block import KVBlock
     from service.memory.registry import LateMemory
     from service.runtime.prompt import PromptPlan
     from service.store.tiered import TieredStore
-    from service.runtime.engine import ModelRuntime, PrefillResult
+    from service.runtime.engine import ModelRuntime
+    from service.runtime.steps import PrefillResult
     from service.runtime.serving import ServingEngine
 
 
@@ -118,13 +119,13 @@ class ComposePipeline:
         self.tool_prompt = ToolPrompt(runtime.prompts)
         self.auto = AutoHeads(settings, runtime.fingerprint)  # automatic exact heads (embedded engine)
         self.sections = AutoBlocks(settings, runtime, registry, store, self.guard)  # system-prompt sections
-        self.use_engine(EmbeddedEngine(settings, runtime, engine, self.refiner, self.guard, self.auto))  # AppState
-        # may swap it
+        self.runner: "Engine"  # what serves prepared requests: given by use_engine (AppState) before the first
+        # request
 
     def use_engine(self, runner: "Engine") -> None:
         """Run prepared requests on `runner` (service/engines/); its checks compute the guard's calibrations and
         shadow checks."""
-        self.runner: "Engine" = runner
+        self.runner = runner
         runner.guard, self.guard.checks = self.guard, runner.checks
         self.sections.engine = runner
 
@@ -315,19 +316,9 @@ class ComposePipeline:
                      if end <= pre.n_prefix and seg.skill_index is not None}
         fresh = prep.tools.copied_fresh(pre, in_prefix) if prep.tools is not None else 0
         composed, recomputed = pre.n_reused - fresh, pre.n_recomputed + fresh
-        metrics.TOKENS.labels("composed").inc(composed)
-        metrics.TOKENS.labels("prefix").inc(pre.n_prefix - pre.n_auto)
-        metrics.TOKENS.labels("auto").inc(pre.n_auto)
-        metrics.TOKENS.labels("recomputed").inc(recomputed)
-        usage = {  # auto_tokens: of prefix_tokens, those from an automatic head (service/compose/auto.py)
-            "prompt_tokens": pre.n_prompt, "reused_tokens": composed + pre.n_prefix,
-            "composed_tokens": composed, "prefix_tokens": pre.n_prefix, "auto_tokens": pre.n_auto,
-            "recomputed_tokens": recomputed, "completion_tokens": len(done.token_ids),
-        }
-        timings = {
-            "ttft_ms": round(ttft_ms, 2), "compose_ms": round(pre.timings_ms["prefill_ms"], 2),
-            "store_ms": round(prep.store_ms, 2), "total_ms": round(total_ms, 2),
-        }
+        usage = usage_of(pre.n_prompt, composed, pre.n_prefix, pre.n_auto, recomputed, len(done.token_ids))
+        count(usage)
+        timings = timings_of(ttft_ms, pre.timings_ms["prefill_ms"], prep.store_ms, total_ms)
         skills = [  # seam: what was recomputed (0 for a first skill copied as is); None unless composed
             {"name": r.name, "version": r.version, "content_hash": r.content_hash, "source": s,
              "path": "prefix" if i in in_prefix else mode if path == "compose" else path,

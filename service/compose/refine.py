@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
+from service.compose import background
 from service.kv.layout import LAYOUT_VERSION
 from service.store.key import BlockKey
 
@@ -117,9 +118,8 @@ class PrefixRefiner:
                 self._pending.discard(k)  # the background backlog is full: a later request tries again
 
     def _priority(self, k: str, tokens: int) -> Callable[[], float]:
-        """Refining head `k`, as backlog priority: minus the tokens it would have made exact so far (times composed
-        x tokens), read whenever the engine picks background work."""
-        return lambda: -float(self._seen.get(k, 1) * tokens)
+        """Refining head `k`: ranked by the tokens it would have made exact so far (service/compose/background.py)."""
+        return background.refinement(lambda: self._seen.get(k, 1), tokens)
 
     async def wanted(self, namespace: str, plan: "PromptPlan") -> int:
         """Where the longest head of `plan` that refinement wants and does not hold yet ends (a refinement pending, or

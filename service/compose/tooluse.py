@@ -14,7 +14,7 @@ from service.tools.render import ToolsBlock
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
-    from service.runtime.engine import PrefillResult
+    from service.runtime.steps import PrefillResult
 
 
 @dataclass

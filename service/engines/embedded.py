@@ -16,20 +16,20 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from service.engines.embedded_checks import RuntimeChecks
+from service.engines.embedded_turns import EmbeddedTurns
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
 
 if TYPE_CHECKING:
     from service.compose.auto import AutoHeads
-    from service.engines import Engine
+    from service.compose.engine import Engine
     from service.kv.block import KVBlock
     from service.kv.radix import HeadMatch
     from service.compose.pipeline import Final, Prepared
-    from service.runtime.engine import PrefillResult
+    from service.runtime.steps import PrefillResult
 
 
 class EmbeddedEngine:
-    keeps_conversations = False  # a session's cache is held by the session manager, in this process
     compiles_blocks = False  # blocks are compiled on this process's model and kept in the store's tiers
 
     def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
@@ -43,6 +43,10 @@ class EmbeddedEngine:
 
     def holds(self, namespace: str, block) -> bool:
         return True  # its blocks are the store's (compiles_blocks False: the pipeline never asks)
+
+    def session_turns(self, pipeline, memories) -> EmbeddedTurns:
+        """Each session holds its conversation's cache here; a turn extends it (service/engines/embedded_turns.py)."""
+        return EmbeddedTurns(pipeline, memories)
 
     async def compile_block(self, namespace: str, block) -> None:
         return None  # compiled into the store by the pipeline (compiles_blocks False)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-# background order (lowest first): calibrations (every request of a new skill uses the seam), then refinements
-# (by expected benefit, negative: service/compose/refine.py), then the sampled shadow checks
-CALIBRATION_PRIORITY, SHADOW_PRIORITY = -1e18, 1.0
+from service.compose import background  # the order of background work (calibrations first, shadow checks last)
 
 
 class RuntimeChecks:
@@ -24,7 +22,7 @@ class RuntimeChecks:
 
         return await self.run_background(calibration_steps(
             self.rt, block, list(self.s.seam_candidates), self.s.fidelity_min_cosine,
-            self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=CALIBRATION_PRIORITY)
+            self.s.fidelity_tie_margin, self.s.background_chunk_tokens), priority=background.CALIBRATION)
 
     def shadow(self, plan, blocks, seams) -> Callable:
         """The shadow check of one composed request: an async callable that compares its composed first-token logits
@@ -40,7 +38,7 @@ class RuntimeChecks:
                 _, full = yield from self.rt.full_prefill_steps(plan.ids, chunk)
                 return comp.logits, full
 
-            both = await self.run_background(steps(), priority=SHADOW_PRIORITY)
+            both = await self.run_background(steps(), priority=background.SHADOW_CHECK)
             if both is None:
                 return None
             fid = logit_agreement(both[0], both[1], self.s.fidelity_tie_margin)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.errors import EngineUnavailable
 from service.runtime.params import Delta, Done
+from service.engines.vllm_turns import VllmTurns
 from service.tools.events import parsed
 from service.vllm.background import Background, approx_salt, exact_salt
 from service.vllm.chain import Chain
@@ -45,14 +46,13 @@ from service.vllm.heads import VllmHeads, touch
 if TYPE_CHECKING:
     from service.compose.guard import FidelityGuard
     from service.compose.pipeline import Final, Prepared
-    from service.engines import Engine
+    from service.compose.engine import Engine
 
 log = logging.getLogger(__name__)
 ROUTE_TOKENS = 256  # a request with no composed head is routed by its tenant and this many first tokens
 
 
 class VllmEngine:
-    keeps_conversations = True  # sessions send the whole conversation: vLLM's prefix cache holds it (sessions/)
     compiles_blocks = True  # vLLM compiles each block, its connector keeps it: the pipeline names blocks by ids
 
     def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None,
@@ -70,7 +70,7 @@ class VllmEngine:
         self._seen: OrderedDict[str, int] = OrderedDict()  # composition digest -> times served
         self.bg = Background(settings.vllm_background_chunk)  # live requests in flight; background work waits for them
         self.heads = VllmHeads(runtime, pool, shared, self.bg)  # what vLLM has saved, how heads get built
-        self.checks = VllmChecks(self)  # calibrations and shadow checks as vLLM requests
+        self.checks = VllmChecks(settings, runtime, self.heads, self.bg)  # calibrations, shadow checks: vLLM requests
         self.guard: "FidelityGuard | None" = None  # the pipeline's (ComposePipeline.use_engine): samples shadow checks
 
     @property
@@ -108,6 +108,10 @@ class VllmEngine:
             return out
         assert last is not None
         raise last
+
+    def session_turns(self, pipeline, memories) -> VllmTurns:
+        """Each turn sends the whole conversation: vLLM's prefix cache holds it (service/engines/vllm_turns.py)."""
+        return VllmTurns(pipeline)
 
     async def compile_block(self, namespace: str, block) -> None:
         """A registered skill's block compiled ahead of use, at background priority (registration, start-up)."""
@@ -162,7 +166,7 @@ class VllmEngine:
         return await self._failover(route, lambda client: self._start_on(client, prep, finish, plan))
 
     async def _start_on(self, client, prep: "Prepared", finish, planned) -> AsyncIterator["Delta | Final"]:
-        from service.runtime.engine import PrefillResult
+        from service.runtime.steps import PrefillResult
 
         plan, ns = prep.plan, prep.params.namespace
         salt, t_head, transfer, n_step = exact_salt(ns), 0.0, None, 0

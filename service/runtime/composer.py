@@ -8,7 +8,7 @@ engines use it: the embedded engine for the whole prompt, the vLLM engine for th
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -18,11 +18,20 @@ from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, new_cache
 from service.kv.radix import HeadMatch
 from service.kv.plan import plan_ops
-from service.runtime.engine import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
 from service.runtime.prompt import PromptPlan, Segment
+from service.runtime.steps import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps
 
-if TYPE_CHECKING:
-    from service.runtime.engine import ModelRuntime
+
+class Forwards(Protocol):
+    """What the Composer drives: the model runtime (service/runtime/engine.py, ModelRuntime)."""
+
+    anchor: list[int]
+    model: Any
+    rotator: Any  # re-rotates a copied block's keys to their new positions (service/runtime/adapters.py)
+
+    def forward_steps(self, ids: list[int], start: int, cache: DynamicCache, chunk: int | None = None) -> Steps: ...
+
+    def append_anchor(self, cache: DynamicCache) -> None: ...
 
 
 def _inside(i: int, spans: list[tuple[int, int]]) -> bool:
@@ -30,7 +39,7 @@ def _inside(i: int, spans: list[tuple[int, int]]) -> bool:
 
 
 class Composer:
-    def __init__(self, rt: "ModelRuntime") -> None:
+    def __init__(self, rt: Forwards) -> None:
         self.rt = rt
 
     def _skip_prefix(self, plan: PromptPlan, prefix: "KVBlock | HeadMatch", cache: DynamicCache) -> list[Segment]:
@@ -128,7 +137,7 @@ class Composer:
             lo = op.src - block.base  # the copy's first index in the block; below 0: the anchor it was compiled after
             t1 = time.perf_counter()
             if lo < 0:
-                self.rt._append_anchor(cache)  # op.at == 0, op.n == the anchor's length
+                self.rt.append_anchor(cache)  # op.at == 0, op.n == the anchor's length
             else:
                 n_reused += append_block(cache, block, lo, lo + op.n, offset=op.at - lo, rotator=self.rt.rotator)
             t_rotate += time.perf_counter() - t1

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
@@ -19,48 +16,7 @@ from service.runtime.adapters import build_rotator
 from service.runtime.loader import LoadedModel
 from service.runtime.prompt import PromptPlan
 from service.runtime.spec import ModelSpec
-
-Mode = Literal["compose", "full"]
-BACKGROUND_CHUNK_TOKENS = 128  # tokens per background prefill step: Settings.background_chunk_tokens's default
-DEFERRED_TAIL_TOKENS = 64  # prefill_steps(defer_tail=True) leaves a text tail of at most this many to the caller
-
-
-@dataclass
-class PrefillResult:
-    cache: DynamicCache | None  # holds every prompt token; owned by this request only (None: the engine keeps it, vLLM)
-    logits: torch.Tensor | None  # [V] float32, the next-token logits after the prompt (None: `tail` still to run)
-    n_prompt: int
-    n_reused: int  # block tokens copied (re-rotated) instead of recomputed
-    n_recomputed: int  # tokens run through the model
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    n_prefix: int = 0  # tokens copied from an exact prefix (a refined skill sequence), not composed
-    seams: dict[int, int] = field(default_factory=dict)  # skill index -> seam tokens recomputed (composed skills)
-    tail: list[int] | None = None  # defer_tail: the prompt's last text, not yet in `cache`; it starts at tail_start
-    tail_start: int = 0
-    n_exact: int = 0  # the cache's first n_exact tokens are exactly what a full prefill computes (automatic reuse
-    # keeps only those: service/compose/auto.py)
-    n_auto: int = 0  # of n_prefix, tokens from an automatic head (service/compose/auto.py; vLLM: its prefix cache)
-
-    def tail_done(self, logits: torch.Tensor, ms: float) -> None:
-        """The deferred tail ran (its K/V went wherever the caller keeps the cache now): the prompt's logits."""
-        self.logits, self.tail = logits, None
-        self.timings_ms["tail_ms"] = ms
-        self.timings_ms["prefill_ms"] = self.timings_ms.get("prefill_ms", 0.0) + ms
-
-
-Steps = Generator[int, None, Any]  # work in steps: yields the tokens each step ran through the model
-
-
-def run_steps(steps: Steps) -> Any:
-    """Run a step generator (prefill_steps, full_prefill_steps, calibration_steps...) to its end, inline; returns
-    its value. The serving engine instead advances one step at a time between decode steps, within a token budget
-    (service/runtime/serving)."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
+from service.runtime.steps import BACKGROUND_CHUNK_TOKENS, DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Steps, run_steps
 
 class ModelRuntime(ModelSpec):
     holds_weights = True
@@ -133,7 +89,7 @@ class ModelRuntime(ModelSpec):
         return run_steps(self.compile_block_steps(token_ids, anchor))
 
     @torch.inference_mode()
-    def _append_anchor(self, cache: DynamicCache) -> None:
+    def append_anchor(self, cache: DynamicCache) -> None:
         """Append the anchor's K/V (computed once per runtime: it opens every prompt) to an empty cache."""
         if self._anchor_kv is None:
             tmp = new_cache(self.model.config)

@@ -20,7 +20,7 @@ from service.errors import InternalError
 from service.kv.block import KVBlock
 from service.kv.cache import append_block, append_kv, block_from_cache, new_cache, truncate
 from service.kv.rope import KeyRotator
-from service.runtime.engine import PrefillResult, Steps
+from service.runtime.steps import PrefillResult, Steps
 from service.runtime.prompt import PromptPlan
 
 
@@ -91,7 +91,7 @@ def inplace_block_steps(rt, block: KVBlock, new_ids: list[int], start: int, old_
         raise InternalError("the block was compiled after another anchor")
     cache = new_cache(rt.model.config, reserve_tokens=block.base + len(new_ids))
     if block.base:
-        rt._append_anchor(cache)  # L x [1, H_kv, A, D], the opening every block is compiled after
+        rt.append_anchor(cache)  # L x [1, H_kv, A, D], the opening every block is compiled after
     append_kv(cache, [k[:, :, :start] for k in block.keys], [v[:, :, :start] for v in block.values])
     yield from rt.forward_steps(new_ids[start:new_end], block.base + start, cache, chunk)
     rest_k, rest_v = rt.rotator.move_layers([k[:, :, old_end:] for k in block.keys],  # L x [1, H_kv, N - e, D]

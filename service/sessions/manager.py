@@ -13,13 +13,12 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-from service import metrics
 from service.compose.tooluse import ToolsPrep
 from service.errors import InvalidField, InvalidRequest, LimitExceeded, SessionBusy, SessionNotFound
 from service.compose.pipeline import ComposeParams, ComposePipeline, Final, Mode, SkillRef
 from service.runtime.params import Delta, Done, GenParams
-from service.sessions.embedded_turns import EmbeddedTurns, late_index
-from service.sessions.engine_turns import EngineTurns, relay
+from service.compose.turns import Turn
+from service.compose.usage import count
 from service.sessions.saved import SavedSessions, Session
 from service.tools.conversation import link_results
 from service.tools.events import tool_calls_of
@@ -37,8 +36,7 @@ class SessionManager:
         self.max_bytes, self.ttl_s, self.max_per_ns = st.session_max_bytes, st.session_ttl_s, st.max_sessions
         self.live: OrderedDict[str, Session] = OrderedDict()  # LRU: most recent last
         self.saved = SavedSessions(pipeline, self.live)
-        self.engine_turns = EngineTurns(pipeline)  # vLLM: the engine keeps the conversation
-        self.embedded_turns = EmbeddedTurns(pipeline, memories)  # this process keeps each session's cache
+        self.turns = pipeline.runner.session_turns(pipeline, memories)  # the engine keeps conversations its way
         self._loading: dict[tuple[str, str], asyncio.Task] = {}  # (namespace, id) -> its resume in progress
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -68,17 +66,7 @@ class SessionManager:
                     tools=[t.openai() for t in tools.tools] if tools is not None else [],
                     memory=memory, memory_seam_tokens=memory_seam_tokens, mode=mode, seam_tokens=seam_tokens)
         plan = prep.plan
-        if self._on_engine():  # the engine keeps the conversation: it prefills the head once, now
-            usage = await self.engine_turns.create(s, plan, prep.blocks, prep.seams, prep.mode)
-        else:
-            pre = await self.p.engine.run_steps(self.rt.prefill_steps(
-                plan, prep.blocks, mode=prep.mode, seam_tokens=prep.seams, prefix=prep.prefix,
-                chunk=self.p.settings.prefill_chunk_tokens))
-            if prep.mode == "compose":
-                self.p.refiner.note(ns, plan, pre.n_prefix)
-            s.cache = pre.cache
-            usage = {"prompt_tokens": pre.n_prompt, "reused_tokens": pre.n_reused + pre.n_prefix,
-                     "recomputed_tokens": pre.n_recomputed}
+        usage = await self.turns.open(s, prep)
         s.ids = plan.ids
         self._admit(s)
         self.saved.save_later(s)
@@ -95,10 +83,6 @@ class SessionManager:
             picks.append(self.p.guard.seam_for(str(key), kv, s.seam_tokens))
         mode = "full" if any(path == "full" for _, path in picks) else s.mode
         return blocks, [k or 0 for k, _ in picks], mode
-
-    def _on_engine(self) -> bool:
-        """True when the engine keeps conversations' K/V itself (vLLM's prefix cache), not this process."""
-        return self.p.runner.keeps_conversations
 
     async def get(self, ns: str, sid: str) -> Session:
         if self.saved.is_deleted(sid):
@@ -158,25 +142,15 @@ class SessionManager:
             ids = plan.ids
             self.rt.check_length(len(ids) + (tools.extra_tokens() if tools else 0), gen.max_tokens,
                                  "compose" if late else "full")
-            if self._on_engine():
+
+            async def head():  # the head's blocks as /v1/compose finds them (an engine that keeps no cache here)
                 records = [await self.p.registry.get(ns, sk["name"], sk["version"]) for sk in s.skills]
-                blocks, seams, mode = await self._head_blocks(s, records, tb, t_index)
-                events, box = await self.engine_turns.start(s, plan, blocks, seams, mode, gen, tools, late, t0)
+                return await self._head_blocks(s, records, tb, t_index)
 
-                def on_engine_end(final: Final, usage: dict, timings: dict) -> Final:
-                    s.ids = ids + (tools.tail_ids if tools is not None else []) + final.done.token_ids
-                    memory = late.report(box["pre"].seams, late_index(plan, late)) if late else None
-                    return self._ended(s, messages, fields, changed, errata, final.done, usage, timings, tools,
-                                       memory)
+            def ended(done: Done, usage: dict, timings: dict, memory) -> Final:
+                return self._ended(s, messages, fields, changed, errata, done, usage, timings, tools, memory)
 
-                out = relay(events, box, on_engine_end, s.lock.release)
-            else:
-                run = await self.embedded_turns.start(s, ids, gen, tools, (plan, late) if late else None, t0)
-
-                def ended(done: Done, usage: dict, timings: dict, memory) -> Final:
-                    return self._ended(s, messages, fields, changed, errata, done, usage, timings, tools, memory)
-
-                out = self.embedded_turns.relay(s, run, ended)
+            out = await self.turns.start(s, Turn(plan, gen, tools, late, t0, head, ended, s.lock.release))
             await anext(out)  # started: from here on, closing it (the response ending) releases the lock
         except BaseException:
             s.lock.release()
@@ -190,8 +164,7 @@ class SessionManager:
         s.fields.update(fields)
         s.skill_fields = [{**said, **{f: v for f, v in fields.items() if f in said}}
                           for said in s.skill_fields]  # an erratum names no skill: all read it
-        for kind in ("prefix", "composed", "recomputed"):
-            metrics.TOKENS.labels(kind).inc(usage[f"{kind}_tokens"])
+        count(usage)
         edits = [{"mode": "erratum", "fields": sorted(changed), "lines": errata}] if changed else []
         if not self.saved.is_deleted(s.id):  # deleted during the turn: do not bring it back
             self._admit(s)

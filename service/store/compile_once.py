@@ -9,7 +9,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.metrics import COMPILES
 from service.store.base import BlockStore
@@ -18,15 +18,32 @@ from service.store.key import BlockKey
 
 if TYPE_CHECKING:
     from service.kv.block import KVBlock
-    from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
 CompileFn = Callable[[], Awaitable["KVBlock"]]
 
 
+class Tiers(Protocol):
+    """What single flight needs of the store (service/store/tiered.py, TieredStore): its tiers, reads and writes
+    across them, and calls to one tier with its health tracked."""
+
+    tiers: list[BlockStore]
+    canonicalize: Callable[["KVBlock"], "KVBlock"] | None
+
+    def available(self, tier: BlockStore) -> bool: ...
+
+    async def call(self, tier: BlockStore, op: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any: ...
+
+    async def fill(self, tiers: list[BlockStore], key: BlockKey, block: "KVBlock") -> None: ...
+
+    async def get(self, key: BlockKey, ephemeral: bool = False) -> tuple["KVBlock | None", str | None]: ...
+
+    async def put(self, key: BlockKey, block: "KVBlock", ephemeral: bool = False) -> list[str]: ...
+
+
 class CompileOnce:
-    def __init__(self, store: "TieredStore", lock: BlockStore | None, lock_timeout_s: float,
+    def __init__(self, store: Tiers, lock: BlockStore | None, lock_timeout_s: float,
                  lock_poll_s: float) -> None:
         self.store = store  # its tiers: read before compiling, written after
         self.lock = lock  # the tier that holds compile locks (Redis), or None
@@ -58,14 +75,14 @@ class CompileOnce:
         if ephemeral:
             return await self._compile(key, compile_fn, ephemeral=True)
         lock, store = self.lock, self.store
-        if lock is None or not store._available(lock):
+        if lock is None or not store.available(lock):
             return await self._compile(key, compile_fn)
         token = secrets.token_hex(16)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.lock_timeout_s
         while True:
             try:
-                acquired = await store._run(lock, "lock", lock.try_lock, key, token, self.lock_timeout_s)
+                acquired = await store.call(lock, "lock", lock.try_lock, key, token, self.lock_timeout_s)
             except StoreError:
                 return await self._compile(key, compile_fn)
             if acquired:
@@ -79,7 +96,7 @@ class CompileOnce:
                     return await self._compile(key, compile_fn)
                 finally:
                     try:
-                        await store._run(lock, "unlock", lock.unlock, key, token)
+                        await store.call(lock, "unlock", lock.unlock, key, token)
                     except StoreError as e:
                         log.warning("could not release compile lock for %s (expires by itself): %s", key, e)
             delay = self.lock_poll_s
@@ -90,7 +107,7 @@ class CompileOnce:
                     block = await self._lock_tier_get(key)
                     if block is not None:
                         return await self._from_lock_tier(key, block)
-                    if not await store._run(lock, "lock", lock.lock_held, key):
+                    if not await store.call(lock, "lock", lock.lock_held, key):
                         break  # the holder gave up without storing a block: try to take the lock
                 except StoreError:
                     return await self._compile(key, compile_fn)
@@ -99,11 +116,11 @@ class CompileOnce:
                 return await self._compile(key, compile_fn)
 
     async def _lock_tier_get(self, key: BlockKey) -> "KVBlock | None":
-        return await self.store._run(self.lock, "get", self.lock.get, key)
+        return await self.store.call(self.lock, "get", self.lock.get, key)
 
     async def _from_lock_tier(self, key: BlockKey, block: "KVBlock") -> tuple["KVBlock", str]:
         """Another replica compiled it: fill the other tiers, report where it came from."""
-        await self.store._fill([t for t in self.store.tiers if t is not self.lock], key, block)
+        await self.store.fill([t for t in self.store.tiers if t is not self.lock], key, block)
         return block, self.lock.name
 
     async def _compile(self, key: BlockKey, compile_fn: CompileFn, ephemeral: bool = False) -> tuple["KVBlock", str]:

@@ -45,10 +45,11 @@ class TieredStore:
 
     # -- tier bookkeeping --
 
-    def _available(self, tier: BlockStore) -> bool:
+    def available(self, tier: BlockStore) -> bool:
+        """The tier is not marked down (or its retry interval has passed)."""
         return self._state[tier.name].available()
 
-    async def _run(self, tier: BlockStore, op: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    async def call(self, tier: BlockStore, op: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Call one tier: time it, count errors, track up/down."""
         t0 = time.perf_counter()
         try:
@@ -84,18 +85,18 @@ class TieredStore:
         overwrites it."""
         tiers = self._tiers(ephemeral)
         for i, tier in enumerate(tiers):
-            if not self._available(tier):
+            if not self.available(tier):
                 continue
             try:
-                block = await self._run(tier, "get", tier.get, key)
+                block = await self.call(tier, "get", tier.get, key)
             except StoreError:
                 continue
             if block is not None and (accept is None or accept(block)):
-                await self._fill(tiers[:i], key, block)
+                await self.fill(tiers[:i], key, block)
                 return block, tier.name
         return None, None
 
-    async def _fill(self, tiers: list[BlockStore], key: BlockKey, block: KVBlock) -> None:
+    async def fill(self, tiers: list[BlockStore], key: BlockKey, block: KVBlock) -> None:
         """Read-through: memory synchronously, slower tiers in the background (unless background_fill=False)."""
         for tier in tiers:
             if tier.name != "memory" and self.background_fill:
@@ -106,10 +107,10 @@ class TieredStore:
                 await self._put_quiet(tier, key, block)
 
     async def _put_quiet(self, tier: BlockStore, key: BlockKey, block: KVBlock) -> StoreError | None:
-        if not self._available(tier):
+        if not self.available(tier):
             return StoreUnavailable(self._state[tier.name].down or "down")
         try:
-            await self._run(tier, "put", tier.put, key, block)
+            await self.call(tier, "put", tier.put, key, block)
             return None
         except StoreError as e:
             log.warning("store tier %s: put %s failed: %s", tier.name, key.to_str(), e)
@@ -129,9 +130,9 @@ class TieredStore:
 
     async def contains(self, key: BlockKey) -> bool:
         for tier in self.tiers:
-            if self._available(tier):
+            if self.available(tier):
                 try:
-                    if await self._run(tier, "contains", tier.contains, key):
+                    if await self.call(tier, "contains", tier.contains, key):
                         return True
                 except StoreError:
                     pass
@@ -141,9 +142,9 @@ class TieredStore:
         """The block's meta (its calibration, ...) from the first tier holding it, without loading its tensors,
         filling other tiers or touching the memory tier's LRU order; None when no reachable tier holds it."""
         for tier in self.tiers:
-            if self._available(tier):
+            if self.available(tier):
                 try:
-                    meta = await self._run(tier, "meta", tier.read_meta, key)
+                    meta = await self.call(tier, "meta", tier.read_meta, key)
                 except StoreError:
                     continue
                 if meta is not None:
@@ -155,7 +156,7 @@ class TieredStore:
         found = False
         for tier in self.tiers:
             try:
-                found |= bool(await self._run(tier, "delete", tier.delete, key))
+                found |= bool(await self.call(tier, "delete", tier.delete, key))
             except StoreError as e:
                 log.warning("store tier %s: delete %s failed: %s", tier.name, key.to_str(), e)
         return found
@@ -166,7 +167,7 @@ class TieredStore:
         total = 0
         for tier in self.tiers:
             try:
-                total += await self._run(tier, "delete", tier.delete_namespace_hash, namespace, content_hash)
+                total += await self.call(tier, "delete", tier.delete_namespace_hash, namespace, content_hash)
             except StoreError as e:
                 log.warning("store tier %s: delete %s/%s failed (stale blocks stay until TTL / next delete): %s",
                             tier.name, namespace, content_hash, e)

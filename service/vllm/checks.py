@@ -23,7 +23,8 @@ from service.vllm.client import Usage
 from service.vllm.fidelity import TOP_K, top_agreement
 
 if TYPE_CHECKING:
-    from service.engines.vllm import VllmEngine
+    from service.vllm.background import Background
+    from service.vllm.heads import VllmHeads
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,11 @@ class TopCalibration:
 
 
 class VllmChecks:
-    def __init__(self, engine: "VllmEngine") -> None:
-        self.e = engine
-        self.s = engine.settings
+    def __init__(self, settings, runtime, heads: "VllmHeads", background: "Background") -> None:
+        self.s = settings
+        self.rt = runtime  # its prompt builder and anchor: the probes' prompts
+        self.heads = heads  # builds composed heads inside vLLM (and knows the replicas)
+        self.bg = background
 
     async def _top(self, client, ids: list[int], salt: str, transfer: dict | None) -> list[tuple[str, float]]:
         """The first generated position's top-k after `ids` (one token, greedy)."""
@@ -69,12 +72,12 @@ class VllmChecks:
 
     async def _full(self, client, namespace: str, ids: list[int]) -> list[tuple[str, float]]:
         """vLLM's full prefill of `ids` (exact: the namespace's exact salt), prefilled behind live traffic first."""
-        await self.e.bg.prefill(client, ids[:-1], exact_salt(namespace))
+        await self.bg.prefill(client, ids[:-1], exact_salt(namespace))
         return await self._top(client, ids, exact_salt(namespace), None)
 
     async def _composed(self, client, namespace: str, plan, blocks, seams: list[int]) -> list[tuple[str, float]]:
         """`plan` composed from `blocks` with `seams`, built inside vLLM at background priority."""
-        heads = self.e.heads
+        heads = self.heads
         chain, _, used = heads.chain_for(namespace, plan, blocks, seams)
         salt = approx_salt(namespace, chain.digest)
         for name, ids, base in used:
@@ -86,10 +89,10 @@ class VllmChecks:
     async def calibrate(self, key, block) -> TopCalibration | None:
         """The smallest candidate seam whose composition keeps the full prefill's top-1 on every decisive probe
         (none: the whole block). None when vLLM could not be reached (a later request schedules it again)."""
-        ns, rt, t0 = key.namespace, self.e.rt, time.perf_counter()
+        ns, rt, t0 = key.namespace, self.rt, time.perf_counter()
         cases = []
         try:
-            client = self.e.pool.order(str(key))[0]
+            client = self.heads.pool.order(str(key))[0]
             for system, neighbour_text, user in PROBES:
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
                 blocks: list = [block]
@@ -123,7 +126,7 @@ class VllmChecks:
         async def check(started: Callable[[], None]) -> dict | None:
             started()
             try:
-                await self.e.bg.idle()
+                await self.bg.idle()
                 composed = await self._top(client, ids, salt, transfer)
                 full = await self._full(client, namespace, ids)
                 return top_agreement(composed, full, self.s.fidelity_tie_margin)

@@ -10,7 +10,7 @@ import torch
 from appclient import make_client
 from service import metrics
 from service.kv.radix import RadixHeads
-from service.runtime.engine import run_steps
+from service.runtime.steps import run_steps
 from tests.store.store_helpers import metric
 from tiny import tiny_runtime
 

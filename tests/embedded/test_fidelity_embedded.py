@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from service.runtime.engine import run_steps
+from service.runtime.steps import run_steps
 from service.runtime.fidelity import compare
 
 pytestmark = pytest.mark.slow

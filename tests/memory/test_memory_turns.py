@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from service.kv.cache import new_cache, remove_span
-from service.runtime.engine import run_steps
+from service.runtime.steps import run_steps
 from service.runtime.late import inplace_block_steps, late_turn_steps
 from tiny import random_ids, tiny_runtime
 

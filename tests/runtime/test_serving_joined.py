@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from service.kv.cache import append_kv, new_cache
-from service.runtime.engine import PrefillResult
+from service.runtime.steps import PrefillResult
 from service.runtime.params import GenParams
 from service.runtime.prompt import PromptPlan, Segment
 from service.runtime.serving import EngineConfig, ServingEngine

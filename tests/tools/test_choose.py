@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from service.runtime.engine import run_steps
+from service.runtime.steps import run_steps
 from service.tools.choose import candidates, choose_steps
 from service.tools.render import ToolPrompt
 from service.tools.spec import Tool, ToolChoice, ToolsParams
