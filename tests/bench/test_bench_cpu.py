@@ -25,14 +25,26 @@ def _spin(seconds: float) -> None:
 
 
 def test_a_busy_thread_gets_its_cpu_seconds_and_the_rest_count_in_the_total():
+    """The burner spins 0.3 s of its own CPU time (thread time: as long as the machine's load makes it take), then
+    waits, alive, while the second snapshot is taken."""
     pid = os.getpid()
-    busy = threading.Thread(target=lambda: (_spin(0.3), time.sleep(1.0)), name="burner")
+    spun, snapped = threading.Event(), threading.Event()
+
+    def burner():
+        _spin(0.3)
+        spun.set()
+        snapped.wait(60)
+
+    busy = threading.Thread(target=burner, name="burner")
     before = cpu.snapshot(pid)
     busy.start()
-    time.sleep(0.6)  # the burner has spun and sleeps, alive
-    names = {busy.native_id: "burner", threading.main_thread().native_id: "MainThread"}
-    split = cpu.by_thread(before, cpu.snapshot(pid), names)
-    busy.join()
+    try:
+        assert spun.wait(60)  # only a hang guard
+        names = {busy.native_id: "burner", threading.main_thread().native_id: "MainThread"}
+        split = cpu.by_thread(before, cpu.snapshot(pid), names)
+    finally:
+        snapped.set()
+        busy.join()
     assert 0.25 <= split["by_thread_s"]["burner"] <= 0.6
     assert split["total_s"] >= sum(split["by_thread_s"].values()) - 0.05
     assert split["minor_faults"] >= 0

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ from embedded_model import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+import peers_llama  # noqa: E402
+import peers_run  # noqa: E402
 import peers_stats  # noqa: E402
 from peers_llama import llama_one  # noqa: E402
 from peers_run import quiesce  # noqa: E402
@@ -52,7 +55,7 @@ def sse(*events) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
 
 
-def test_llama_client_times_the_first_token_and_checks_the_prompt():
+def test_llama_client_times_the_first_token_and_checks_the_prompt(monkeypatch):
     final = {"content": "", "tokens": [], "stop": True, "tokens_predicted": 2, "tokens_evaluated": 5,
              "stop_type": "limit", "timings": {"prompt_n": 3, "cache_n": 2, "prompt_ms": 9.0, "predicted_ms": 4.0}}
     seen = {}
@@ -65,28 +68,94 @@ def test_llama_client_times_the_first_token_and_checks_the_prompt():
 
     async def go(ids):
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://127.0.0.1:1") as c:
-            return await llama_one(c, ids, 2, time.perf_counter(), cache_prompt=False)
+            return await llama_one(c, ids, 2, 0.0, cache_prompt=False)
 
+    # the client's clock ticks one second each time it is read: a chunk is timed when it is read, the first token
+    # is the first chunk that carries one (the second read, not the first, empty chunk), the end after the last
+    ticks = iter(range(1, 100))
+    monkeypatch.setattr(peers_llama, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     r = asyncio.run(go([1, 2, 3, 4, 5]))
     assert seen["prompt"] == [1, 2, 3, 4, 5] and seen["cache_prompt"] is False and seen["temperature"] == 0.0
     assert r["error"] is None and r["text"] == "Hi there" and r["tokens"] == [7, 8]
     assert (r["prompt_tokens"], r["prompt_n"], r["cache_n"], r["completion_tokens"]) == (5, 3, 2, 2)
-    assert 0 < r["ttft_s"] <= r["e2e_s"]
+    assert (r["ttft_s"], r["e2e_s"]) == (2.0, 5.0)  # 4 chunks read at 1..4 s, the end at 5 s
     # a server that saw another prompt than the ids sent: the request does not count
     assert asyncio.run(go([1, 2, 3]))["error"].startswith("prompt_mismatch")
 
 
-def test_quiesce_waits_for_a_busy_server_only():
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"])
+class Servers:
+    """quiesce's view of the machine in a test (its module's `time`, `asyncio.sleep` and `cpu_seconds`): a clock
+    that moves only by the windows it waits, and servers whose CPU seconds are a function of that clock."""
+
+    def __init__(self, load) -> None:
+        self.now, self.waits, self.load = 0.0, [], load  # load(pid, now): that server's CPU seconds so far
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+    def cpu_seconds(self, pid: int) -> float:
+        return self.load(pid, self.now)
+
+
+def _quiesce(monkeypatch, load, pids, max_s, **kw) -> tuple[float, Servers]:
+    servers = Servers(load)
+    monkeypatch.setattr(peers_run, "time", SimpleNamespace(monotonic=servers.monotonic))
+    monkeypatch.setattr(peers_run, "asyncio", SimpleNamespace(sleep=servers.sleep))
+    monkeypatch.setattr(peers_run, "cpu_seconds", servers.cpu_seconds)
+    return asyncio.run(quiesce(pids, max_s, **kw)), servers
+
+
+def test_quiesce_waits_for_busy_servers_only(monkeypatch, capsys):
+    idle = lambda pid, now: 1.5  # noqa: E731 - CPU seconds that do not grow
+    busy = lambda pid, now: 1.5 + (now if pid == 2 else 0.0)  # noqa: E731 - pid 2 uses a whole core
+    waited, servers = _quiesce(monkeypatch, idle, [1, 2], 5, window_s=0.25)
+    assert waited == 0.25 and servers.waits == [0.25]  # one quiet window and it returns
+    waited, servers = _quiesce(monkeypatch, busy, [1, 2], 1.0, window_s=0.25)
+    assert waited == 1.0 and servers.waits == [0.25] * 4  # busy: windows until max_s, then it goes on anyway
+    assert "still busy after 1 s" in capsys.readouterr().out
+    # busy until 0.5 s (a calibration finishing): the window after it is quiet
+    settling = lambda pid, now: min(now, 0.5)  # noqa: E731
+    assert _quiesce(monkeypatch, settling, [1], 10, window_s=0.25)[0] == 0.75
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_quiesce_sums_the_servers_against_busy_cores(monkeypatch, capsys):
+    """Under busy_cores (0.05 of a core) over a window is quiet, and it is the servers together that count."""
+    one = lambda pid, now: 0.04 * now  # noqa: E731 - each 0.04 of a core
+    assert _quiesce(monkeypatch, one, [1], 10, window_s=1.0)[0] == pytest.approx(1.0)
+    assert _quiesce(monkeypatch, one, [1, 2], 3, window_s=1.0)[0] == pytest.approx(3.0)  # together 0.08
+    assert _quiesce(monkeypatch, one, [1, 2], 3, window_s=1.0, busy_cores=0.1)[0] == pytest.approx(1.0)
+    capsys.readouterr()
+    assert _quiesce(monkeypatch, one, [], 3)[0] == 0  # no servers of its own: nothing to wait for
+    assert _quiesce(monkeypatch, one, [1], 0)[0] == 0 and "warning" not in capsys.readouterr().out
+
+
+def test_cpu_seconds_reads_a_process_from_proc():
+    """cpu_seconds on real processes: a spinning one's grows, a sleeping one's does not, a gone one's is 0. Only
+    CPU time is compared (as much as the spinner gets, however loaded the machine), never how long it took."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("reads Linux's /proc")
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.3)
-        assert asyncio.run(quiesce([idle.pid], 5, window_s=0.3)) < 1.5
-        assert asyncio.run(quiesce([idle.pid, busy.pid], 1.2, window_s=0.3)) >= 1.2
+        assert idle.stdout.readline().strip() == "ready"  # started: from here on it only sleeps
+        idle0, busy0 = peers_run.cpu_seconds(idle.pid), peers_run.cpu_seconds(busy.pid)
+        deadline = time.monotonic() + 60  # only a hang guard
+        while peers_run.cpu_seconds(busy.pid) - busy0 < 0.2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert peers_run.cpu_seconds(idle.pid) - idle0 <= 0.01  # at most one clock tick
     finally:
         for p in (idle, busy):
             p.kill()
             p.wait()
+        idle.stdout.close()
+    assert peers_run.cpu_seconds(busy.pid) == 0.0  # gone (reaped)
 
 
 @pytest.mark.slow

@@ -68,21 +68,41 @@ def test_token_bucket():
     assert len(small._buckets) == 100  # bounded however many callers come
 
 
-def test_rate_limit_per_key_is_429_with_retry_after(tmp_path):
+class _Clock:
+    """service.api.auth's `time` in a test: the rate limiter's buckets refill only when the test moves `now`."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_rate_limit_per_key_is_429_with_retry_after(tmp_path, monkeypatch):
+    from service.api import auth
+
+    clock = _Clock()
+    monkeypatch.setattr(auth, "time", clock)  # however long the requests take, no token refills until it moves
     with app_client(tmp_path, api_keys_file=write_keys(tmp_path / "keys.json"), rate_limit_rps=2,
                     rate_limit_burst=3) as c:
         codes = [c.get("/v1/skills", headers=bearer(USER)).status_code for _ in range(4)]
-        assert codes[:3] == [200, 200, 200] and codes[3] == 429, codes
+        assert codes == [200, 200, 200, 429], codes
         r = c.get("/v1/skills", headers=bearer(USER))
         assert r.status_code == 429 and _err(r) == "rate_limited"
-        assert int(r.headers["retry-after"]) >= 1 and "SKILLCACHE_RATE_LIMIT_RPS" in r.text
+        assert r.headers["retry-after"] == "1" and "SKILLCACHE_RATE_LIMIT_RPS" in r.text  # 0.5 s, rounded up
         assert c.get("/v1/skills", headers=bearer(ADMIN)).status_code == 200  # another key: its own bucket
         assert c.get("/v1/skills", headers=bearer(OTHER)).status_code == 200
         assert c.get("/livez").status_code == 200 and c.get("/metrics").status_code == 200  # never limited
         r = c.get("/v1/skills", headers=bearer("unknown-key-000000000000"))
         assert r.status_code == 401  # unknown keys are refused before they reach a bucket
-        time.sleep(0.6)
-        assert c.get("/v1/skills", headers=bearer(USER)).status_code == 200  # refilled
+        clock.now += 0.25  # half a token at 2 a second
+        assert c.get("/v1/skills", headers=bearer(USER)).status_code == 429
+        clock.now += 0.25
+        assert c.get("/v1/skills", headers=bearer(USER)).status_code == 200  # refilled: one token
+        assert c.get("/v1/skills", headers=bearer(USER)).status_code == 429  # and only one
 
 
 def test_bounded_queue_sheds_load_then_recovers(tmp_path):
@@ -92,11 +112,11 @@ def test_bounded_queue_sheds_load_then_recovers(tmp_path):
         gate = threading.Event()
 
         async def block():
-            return engine.submit(lambda cancelled: gate.wait(10))
+            return engine.submit(lambda cancelled: gate.wait(60))
 
         try:
             c.portal.call(block)  # occupies the engine
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # only a hang guard, as the ones below
             while not engine.busy or engine.n_waiting:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
@@ -106,7 +126,7 @@ def test_bounded_queue_sheds_load_then_recovers(tmp_path):
             assert r.status_code == 429 and _err(r) == "overloaded" and r.headers["retry-after"] == "1"
         finally:
             gate.set()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while engine.busy:
             assert time.monotonic() < deadline
             time.sleep(0.02)

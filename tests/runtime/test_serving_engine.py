@@ -47,6 +47,60 @@ def _submit(eng, rt, ids, p, chunk=None):
     return eng.submit_sequence(rt.prefill_steps(_plan(ids), [], mode="full", chunk=chunk), p, len(ids))
 
 
+async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    """Poll for a condition the engine thread makes true; the timeout only guards against a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        await asyncio.sleep(0.005)
+
+
+class FakeClock:
+    """The serving engine's clock in a test (its modules' `time`, see the `clock` fixture): it moves only when the
+    test's work says it took time, so busy-time shares and idle windows are counted over the steps the engine
+    runs, the same on an idle or a loaded machine."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):  # anything else (sleep, ...) is the real module's
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """Every clock the serving engine reads (step and busy times, the share's window, the idle wait, background
+    slices) is this FakeClock for the engines the test creates."""
+    from service.runtime.serving import background, engine, scheduler, starts, work
+
+    fake = FakeClock()
+    for module in (engine, scheduler, background, starts, work):
+        monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
+def _timed_decode(monkeypatch, eng, clock: FakeClock, seconds: float, log: list | None = None) -> None:
+    """Each batched decode step of `eng` takes `seconds` on the fake clock; log: ("decode", rows, time after)."""
+    step = eng.batch.step
+
+    def timed(tokens):
+        out = step(tokens)
+        clock.advance(seconds)
+        if log is not None:
+            log.append(("decode", len(tokens), clock.now))
+        return out
+
+    monkeypatch.setattr(eng.batch, "step", timed)
+
+
 async def test_concurrent_requests_get_their_solo_outputs(rt):
     """Greedy and seeded sampling, different lengths and max_tokens, stop strings: the events a request streams
     in a batch are the events it streams alone."""
@@ -103,25 +157,26 @@ async def test_serial_setting_runs_one_sequence_at_a_time(rt):
     assert buckets["1.0"] - old.get("1.0", 0) == buckets["+Inf"] - old.get("+Inf", 0) > 0  # every step: batch of 1
 
 
-async def test_kv_budget_holds_requests_back_and_refuses_what_never_fits(rt):
+async def test_kv_budget_holds_requests_back_and_refuses_what_never_fits(rt, monkeypatch):
     bpt = rt.kv_bytes_per_token()
     eng = await _engine(rt, max_running=8, kv_budget_bytes=bpt * 600)
+    # sequences admitted (prefilling or decoding), seen on the engine thread at every prefill forward and decode step
+    seen = []
+
+    def admitted():
+        seen.append(len(eng.sched.running) + sum(w.is_sequence for w in eng.sched.active))
+
+    real_forward, real_step = rt.forward, eng.batch.step
+    monkeypatch.setattr(rt, "forward", lambda ids, start, cache: admitted() or real_forward(ids, start, cache))
+    monkeypatch.setattr(eng.batch, "step", lambda toks: admitted() or real_step(toks))
     try:
         with pytest.raises(LimitExceeded, match="KV budget"):
             _submit(eng, rt, random_ids(300, seed=1), GenParams(max_tokens=100))  # 400 tokens, twice while joining
         jobs = [_submit(eng, rt, random_ids(100, seed=i), GenParams(max_tokens=150)) for i in range(3)]
-        seen = []
-
-        async def watch():
-            while not all(j.cancel_event.is_set() for j in jobs):
-                seen.append(len(eng.sched.running) + sum(w.is_sequence for w in eng.sched.active))
-                await asyncio.sleep(0.002)
-
-        watcher = asyncio.create_task(watch())
         outs = await asyncio.gather(*(_collect(j) for j in jobs))
-        await watcher
         assert all(isinstance(o[-1], Done) and len(o[-1].token_ids) == 150 for o in outs)
-        assert max(seen) == 1  # 2 rows of 250 tokens padded to 256 (+ a prefill of 100) pass 600: one at a time
+        # 2 rows of 250 tokens padded to 256 (+ a prefill of 100) pass 600: one at a time, at every forward
+        assert len(seen) > 3 * 140 and set(seen) == {1}, sorted(set(seen))
         assert eng.kv_bytes() == 256 * bpt  # the idle batch keeps its one row's buffers for the next request
         # kept buffers count: with them, a 300-token request's prefill would pass the budget, so the idle batch
         # gives them back before it starts (and the new row's buffers are all it holds after); a small one keeps them
@@ -140,9 +195,8 @@ async def test_a_full_queue_sheds_load(rt):
 
     gate = threading.Event()
     try:
-        blocker = eng.submit(lambda c: gate.wait(10))
-        while eng.n_waiting:
-            await asyncio.sleep(0.01)
+        blocker = eng.submit(lambda c: gate.wait(60))  # holds the engine until the queue is full
+        await _until(lambda: not eng.n_waiting, "blocker taken off the queue")
         queued = [_submit(eng, rt, random_ids(4, seed=i), GenParams(max_tokens=2)) for i in range(2)]
         with pytest.raises(Overloaded):
             _submit(eng, rt, random_ids(4, seed=9), GenParams(max_tokens=2))
@@ -155,64 +209,112 @@ async def test_a_full_queue_sheds_load(rt):
         eng.stop()
 
 
-async def test_a_request_that_hangs_up_frees_its_row_within_a_step(rt):
+async def test_a_request_that_hangs_up_frees_its_row_within_a_step(rt, monkeypatch):
+    """The client hangs up while a decode step of both rows runs (the step waits for it): every step after that one
+    runs without its row, and the request that stayed streams all its tokens."""
     eng = await _engine(rt, max_running=4)
+    steps = []  # (rows, the client had hung up by the end of the step)
+    both, hung_up = threading.Event(), threading.Event()
+    real_step = eng.batch.step
+
+    def step(toks):
+        if len(toks) == 2 and not hung_up.is_set():
+            both.set()
+            hung_up.wait(60)
+        steps.append((len(toks), gone.cancelled()))
+        return real_step(toks)
+
     try:
         keep = _submit(eng, rt, random_ids(6, seed=1), GenParams(max_tokens=60))
         gone = _submit(eng, rt, random_ids(6, seed=2), GenParams(max_tokens=1000))
-        s_keep, s_gone = keep.stream(), gone.stream()
-        await anext(s_keep)
-        await anext(s_gone)
-        while len(eng.sched.running) < 2:
-            await asyncio.sleep(0.001)
-        await s_gone.aclose()  # the client went away
-        for _ in range(3):  # the next step reaps it
-            await anext(s_keep)
-        assert len(eng.sched.running) <= 1
-        rest = [e async for e in s_keep]
+        monkeypatch.setattr(eng.batch, "step", step)
+        client = asyncio.create_task(_collect(gone))  # reads its stream (its first text may need a decode step)
+        await _until(both.is_set, "decode step of both rows")
+        client.cancel()  # the client went away
+        await asyncio.wait([client])
+        assert gone.cancelled()
+        hung_up.set()
+        rest = await _collect(keep)
         assert isinstance(rest[-1], Done) and rest[-1].finish_reason == "length"
+        assert len(rest[-1].token_ids) == 60
+        saw = steps.index((2, True))  # the step it hung up in
+        assert steps[saw + 1:] and all(rows == 1 for rows, _ in steps[saw + 1:]), steps[saw:]
+        assert eng.sched.running == []
     finally:
+        hung_up.set()
         eng.stop()
 
 
-async def test_background_work_gets_its_share_under_load_and_all_when_idle(rt):
+async def test_background_work_gets_its_share_under_load_and_all_when_idle(rt, clock, monkeypatch):
     """Under continuous live load, background steps get about `background_share` of the busy time; with no live
-    work they run back to back."""
-    eng = await _engine(rt, max_running=4, background_share=0.25)
+    work every engine step gives them a turn, back to back. On the fake clock a decode step and a background step
+    each take 10 ms, so the share is counted over the steps the engine ran, not timed on this machine."""
+    eng = await _engine(rt, max_running=4, background_share=0.25, background_idle_s=0.0)
+    _timed_decode(monkeypatch, eng, clock, 0.01)
+    steps, turns = [], []  # every engine step's (live, background) busy time; the background turns given
+    account, advance = eng.sched.account, eng.bg.advance
+    monkeypatch.setattr(eng.sched, "account", lambda live_s, bg_s: steps.append((live_s, bg_s))
+                        or account(live_s, bg_s))
+    monkeypatch.setattr(eng.bg, "advance", lambda *a: turns.append(len(steps)) or advance(*a))
 
     def bg_steps(n):
         for _ in range(n):
-            rt.forward(random_ids(64, seed=5), 0, new_cache(rt.model.config))
+            clock.advance(0.01)
             yield 64
         return "done"
 
+    def steady():
+        """The steps since background work first gave way to its share (before: it catches up, one a step)."""
+        seen = list(steps)
+        first = next((i for i, (_, bg) in enumerate(seen) if bg > 0), None)
+        held = None if first is None else next((i for i in range(first, len(seen)) if seen[i][1] == 0), None)
+        return [] if held is None else seen[held:]
+
     try:
-        live = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=4000))
+        live = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
         stream = live.stream()
         await anext(stream)
-        bg = eng.submit_steps(bg_steps(100_000), background=True)
-        await asyncio.sleep(3)
-        share = metrics.BACKGROUND_SHARE._value.get()
-        assert 0.15 < share < 0.35, share
+        bg = eng.submit_steps(bg_steps(10**9), background=True)
+        # a steady window of 300 steps (or 3000 turns, enough to catch up with any lead the live stream had)
+        await _until(lambda: len(steady()) >= 300 or len(turns) >= 3000, "300 steps of background work in its share")
+        window = steady()[:300]
+        assert len(window) == 300, f"background work never held back to its share in {len(turns)} turns"
+        assert all(live_s > 0 for live_s, _ in window)  # under load: every one of them decoded
+        share = sum(bg for _, bg in window) / sum(live_s + bg for live_s, bg in window)
+        assert 0.2 < share < 0.3, share
+        assert 0.2 < metrics.BACKGROUND_SHARE._value.get() < 0.3  # the decaying window the engine reports
         await stream.aclose()
         bg.cancel_event.set()
-        busy = metrics.ENGINE_BUSY.labels("background")
-        busy0, t0 = busy._value.get(), time.monotonic()
-        assert await eng.run_steps(bg_steps(200), background=True) == "done"
-        wall = time.monotonic() - t0 - eng.config.background_idle_s  # it waits that long after the last live step
-        assert busy._value.get() - busy0 >= 0.8 * wall, (busy._value.get() - busy0, wall)  # idle: back to back
+        await _until(lambda: not eng.busy, "the engine to go idle")  # both reaped
+        n_steps, n_turns = len(steps), len(turns)
+        assert await asyncio.wait_for(eng.run_steps(bg_steps(200), background=True), 60) == "done"
+        idle_steps, idle_turns = steps[n_steps:], turns[n_turns:]
+        assert all(live_s == 0 for live_s, _ in idle_steps)
+        # idle: a background turn in every step from the first on, nothing between them (after the last, a step
+        # that finds the work finished and takes it off the list)
+        assert len(idle_turns) > 200 and idle_turns == list(range(n_steps, n_steps + len(idle_turns))), idle_turns
     finally:
         eng.stop()
 
 
-async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goes_first(rt):
+async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goes_first(rt, clock, monkeypatch):
     """Background work queued while a request runs starts only `background_idle_s` after the last live step; a
-    request sent in that moment (a client's next request right after a response) runs first, not behind it."""
+    request sent in that moment (a client's next request right after a response) runs first, not behind it. On the
+    fake clock no time passes between the requests; the test then moves it past the idle wait in two stages."""
     eng = await _engine(rt, max_running=4, background_share=0.0, background_idle_s=0.4)
+    _timed_decode(monkeypatch, eng, clock, 0.01)
     order = []
+    looks = [0]  # times the idle engine asked whether work is due (it then reads the clock)
+    has_work = eng.sched.has_work
+
+    def counted():
+        looks[0] += threading.current_thread() is eng.thread
+        return has_work()
+
+    monkeypatch.setattr(eng.sched, "has_work", counted)
 
     def bg_steps():
-        order.append(("background", time.monotonic()))
+        order.append(("background", clock.now))
         yield 1
         return "done"
 
@@ -223,58 +325,86 @@ async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goe
         bg = eng.submit_steps(bg_steps(), background=True)  # share 0: it cannot run while the request is live
         async for _ in stream:
             pass
-        t_done = time.monotonic()
-        await asyncio.sleep(0.05)
         second = await _collect(_submit(eng, rt, random_ids(9, seed=2), GenParams(max_tokens=2)))
-        order.append(("second", time.monotonic()))
         assert isinstance(second[-1], Done)
-        assert await bg.result() == "done"
+        n = looks[0]  # its Done comes before its last step ends: wait for the engine to look for work after it
+        await _until(lambda: looks[0] > n, "the engine to finish the second request's last step")
+        t_last = clock.now  # nothing runs now, so the clock stands where the second request's last step ended
+        order.append(("second", t_last))
+        # the clock moves only here; after each move the engine is woken (resume_background takes its condition's
+        # lock, so the wake-up lands while it waits) to look at it again, as the real clock would have it do
+        clock.advance(0.39)  # not yet idle for 0.4 s
+        n = looks[0]
+        eng.resume_background()
+        await _until(lambda: looks[0] >= n + 2, "the engine to look at the moved clock")  # twice: it waited between
+        assert [name for name, _ in order] == ["second"]
+        clock.advance(0.02)
+        eng.resume_background()
+        assert await asyncio.wait_for(bg.result(), 60) == "done"
         assert [name for name, _ in order] == ["second", "background"]
-        assert order[1][1] - t_done >= 0.35  # idle for background_idle_s after the second request's last step
+        assert order[1][1] - t_last >= 0.4  # idle for background_idle_s after the second request's last step
     finally:
         eng.stop()
 
 
-async def test_under_load_background_steps_leave_a_new_request_and_the_moment_after_one_ends_alone(rt):
+async def test_under_load_background_steps_leave_a_new_request_and_the_moment_after_one_ends_alone(
+        rt, clock, monkeypatch):
     """With another stream decoding (never idle), background work due by its share still does not step while a
-    request waits or prefills, nor within `background_idle_s` after one finished (its client's next request comes
-    right then); it steps again after that. bench/background.py measured what such steps cost live p90 TTFT."""
-    eng = await _engine(rt, max_running=4, background_share=0.5, background_idle_s=0.6)
-    starts: list[float] = []
+    request prefills, nor within `background_idle_s` after one finished (its client's next request comes right
+    then); it steps again after that. bench/background.py measured what such steps cost live p90 TTFT. On the fake
+    clock a decode step takes 10 ms and a background step 20 ms."""
+    eng = await _engine(rt, max_running=4, background_share=0.5, background_idle_s=0.6, step_token_budget=16)
+    log: list[tuple] = []  # on the engine thread, in order: ("decode", rows, t after), ("bg", t), ("prefill...", t)
+    _timed_decode(monkeypatch, eng, clock, 0.01, log)
 
     def bg_steps():
         while True:
-            starts.append(time.monotonic())
-            time.sleep(0.02)  # a background chunk: the share is busy time, so it must take some
+            log.append(("bg", clock.now))
+            clock.advance(0.02)  # a background chunk: the share is busy time, so it must take some
             yield 1
+
+    def share() -> float:  # of the busy time in the engine's decaying window
+        busy = eng.sched.live_s + eng.sched.background_s
+        return eng.sched.background_s / busy if busy else 0.0
+
+    def short_steps(ids):  # 80 tokens, 16 a step: its prefill spans 5 steps
+        log.append(("prefill-start", clock.now, share()))
+        pre = yield from rt.prefill_steps(_plan(ids), [], mode="full", chunk=8)
+        log.append(("prefill-end", clock.now))
+        return pre
+
+    def short_decodes() -> list[int]:
+        """Indexes of the short request's decode steps (the long stream decodes alone before and after)."""
+        return [i for i, e in enumerate(list(log)) if e[0] == "decode" and e[1] == 2]
 
     try:
         long = _submit(eng, rt, random_ids(20, seed=1), GenParams(max_tokens=100_000))
         stream = long.stream()
         await anext(stream)
         bg = eng.submit_steps(bg_steps(), background=True)
-        await asyncio.sleep(2.0)  # the share settles near 0.5, far above the 0.25 floor of steps that are not quiet
-        n_before = len(starts)
-        assert n_before > 10
-        t_sub = time.monotonic()
-        short, t_first = [], None
-        async for ev in _submit(eng, rt, random_ids(9, seed=2), GenParams(max_tokens=3)).stream():
-            t_first = t_first or time.monotonic()  # its prefill is done: from here it decodes beside the long one
-            short.append(ev)
-        t_end = time.monotonic()
-        assert isinstance(short[-1], Done)
-        await asyncio.sleep(1.2)
-        # while it waits and prefills, none (a step already running when it came may end just after: 0.01 s); while it
-        # decodes, steps may run by their share; after it ends none for 0.6 s (t_end is when this loop saw the end, a
-        # little after the engine did: 0.3 s of slack)
-        waiting = [t for t in starts if t_sub + 0.01 < t < t_first]
-        after = [t for t in starts if t_end < t < t_end + 0.3]
-        assert waiting == [] and after == [], (t_first - t_sub, t_end - t_sub, [t - t_sub for t in waiting + after])
-        assert any(t > t_end + 0.6 for t in starts)  # quiet again: background steps resume
+        # the share settles near 0.5, far above the 0.25 floor of steps that are not quiet, over enough busy time
+        # (3 s on the clock) that 0.6 s of live steps alone leave it above that floor
+        await _until(lambda: share() > 0.45 and eng.sched.live_s + eng.sched.background_s > 3.0,
+                     "a background share above 0.45 over 3 s of busy time")
+        ids = random_ids(80, seed=2)
+        short = await _collect(eng.submit_sequence(short_steps(ids), GenParams(max_tokens=3), len(ids)))
+        assert isinstance(short[-1], Done) and len(short[-1].token_ids) == 3
+        await _until(lambda: any(e[0] == "bg" for e in list(log)[short_decodes()[-1] + 1:]), "background steps again")
         await stream.aclose()
         bg.cancel_event.set()
     finally:
         eng.stop()
+    names = [e[0] for e in log]
+    start, end = names.index("prefill-start"), names.index("prefill-end")
+    assert log[start][2] > 0.25  # by its share a background step was due even in a step that is not quiet
+    assert [e for e in log[start:end] if e[0] == "decode"]  # the long stream decoded meanwhile (never idle)
+    assert "bg" not in names[start:end], log[start:end]  # none while it prefills
+    two = short_decodes()
+    assert len(two) == 2 and two[0] > end  # its second and third tokens, beside the long stream
+    last = two[-1]
+    t_end = log[last][2]  # when it ended (its last decode step)
+    after = [e[1] for e in log[last + 1:] if e[0] == "bg"]
+    assert after and min(after) - t_end >= 0.6 - 1e-9, (min(after) - t_end)  # none within 0.6 s, then again
 
 
 async def test_a_request_that_arrives_during_a_decode_step_prefills_before_any_background_slice(rt):
@@ -306,7 +436,7 @@ async def test_a_request_that_arrives_during_a_decode_step_prefills_before_any_b
         stream = long.stream()
         await anext(stream)
         bg = eng.submit_steps(bg_steps(), background=True)
-        await asyncio.sleep(0.3)  # background slices run between decode steps
+        await _until(lambda: events.count("background") >= 10, "background slices between decode steps")
         step, done = eng.batch.step, threading.Event()
 
         def step_submitting(tokens):  # on the engine thread: the request arrives during this forward
@@ -314,12 +444,12 @@ async def test_a_request_that_arrives_during_a_decode_step_prefills_before_any_b
             eng.batch.step = step
             loop.call_soon_threadsafe(submit_short)
             loop.call_soon_threadsafe(done.set)  # after submit_short: the request is queued once this is set
-            done.wait(5)
+            assert done.wait(60)
             events.append("arrived")
             return out
 
         eng.batch.step = step_submitting
-        await asyncio.wait_for(submitted.wait(), 5)
+        await asyncio.wait_for(submitted.wait(), 60)
         short = await _collect(jobs[0])
         assert isinstance(short[-1], Done)
         after = events[events.index("arrived") + 1:]
@@ -411,7 +541,7 @@ async def test_requests_on_the_same_prefix_share_its_reads_and_get_their_solo_ou
     """Three requests whose caches start with the same copied 300-token prefix (as composed requests on the same
     skill do): the engine reports rows reading shared chunks, and each request streams what it streams alone."""
     from service.kv.cache import append_kv
-    from service.runtime.engine import PrefillResult, run_steps
+    from service.runtime.steps import PrefillResult, run_steps
 
     prefix = new_cache(rt.model.config)
     rt.forward(random_ids(300, seed=9), 0, prefix)
@@ -431,10 +561,14 @@ async def test_requests_on_the_same_prefix_share_its_reads_and_get_their_solo_ou
     cases = [(random_ids(n, seed=n), GenParams(max_tokens=m)) for n, m in [(4, 9), (11, 6), (7, 12)]]
     solo = [alone(t, p) for t, p in cases]
     eng = await _engine(rt, max_running=8)
+    gate = threading.Event()
     try:
-        eng.submit(lambda c: time.sleep(0.3))  # the three arrive while the engine is busy: they join together
-        got = await asyncio.gather(*(_collect(eng.submit_sequence(steps(t), p, 300 + len(t))) for t, p in cases))
+        eng.submit(lambda c: gate.wait(60))  # the three arrive while the engine is held: they join together
+        jobs = [eng.submit_sequence(steps(t), p, 300 + len(t)) for t, p in cases]
+        gate.set()
+        got = await asyncio.gather(*(_collect(j) for j in jobs))
     finally:
+        gate.set()
         eng.stop()
     assert got == solo
     assert max(seen) == 2  # rows 1 and 2 read the prefix's first chunk from row 0
@@ -555,7 +689,7 @@ async def test_tails_left_to_the_engine_run_together_and_each_request_gets_its_s
     the same step: their tails run as one forward over their batch rows, and each request streams what it streams
     with its tail run on its own cache (greedy; one of them ends at its first token and leaves at once)."""
     from service.kv.cache import append_kv
-    from service.runtime.engine import PrefillResult
+    from service.runtime.steps import PrefillResult
     from service.runtime.serving.runner import DecodeBatch
 
     prefix = new_cache(rt.model.config)
@@ -582,11 +716,15 @@ async def test_tails_left_to_the_engine_run_together_and_each_request_gets_its_s
     cases = [(random_ids(n, seed=30 + n), GenParams(max_tokens=m)) for n, m in [(5, 8), (17, 1), (9, 11), (2, 6)]]
     solo = [alone(t, p) for t, p in cases]
     eng = await _engine(rt, max_running=8)
+    gate = threading.Event()
     try:
-        eng.submit(lambda c: time.sleep(0.3))  # they arrive while the engine is busy: they finish composing together
-        got = await asyncio.gather(*(_collect(eng.submit_sequence(steps(t), p, 200 + len(t))) for t, p in cases))
+        eng.submit(lambda c: gate.wait(60))  # they arrive while the engine is held: they finish composing together
+        jobs = [eng.submit_sequence(steps(t), p, 200 + len(t)) for t, p in cases]
+        gate.set()
+        got = await asyncio.gather(*(_collect(j) for j in jobs))
         again = await _collect(eng.submit_sequence(steps(cases[0][0]), cases[0][1], 205))  # alone: its own cache
     finally:
+        gate.set()
         eng.stop()
     assert together == [4]
     assert got == solo and again == solo[0]
@@ -595,7 +733,7 @@ async def test_tails_left_to_the_engine_run_together_and_each_request_gets_its_s
 async def test_a_ready_tail_does_not_wait_for_another_requests_prefill(rt, monkeypatch):
     """A composition whose tail is ready waits for at most one forward of the next request's prefill (seams, text),
     not for the whole pass: compositions that run forwards keep their first tokens in arrival order."""
-    from service.runtime.engine import PrefillResult
+    from service.runtime.steps import PrefillResult
     from service.runtime.serving.runner import DecodeBatch
 
     order = []
@@ -621,12 +759,15 @@ async def test_a_ready_tail_does_not_wait_for_another_requests_prefill(rt, monke
     monkeypatch.setattr(DecodeBatch, "prefill_tails", lambda self, tails: together.append(len(tails))
                         or real_together(self, tails))
     eng = await _engine(rt, max_running=8)
+    gate = threading.Event()
     try:
-        eng.submit(lambda c: time.sleep(0.3))  # both arrive while the engine is busy: one pass composes both
+        eng.submit(lambda c: gate.wait(60))  # both arrive while the engine is held: one pass composes both
         jobs = [eng.submit_sequence(steps(0), GenParams(max_tokens=2), 35),
                 eng.submit_sequence(steps(3), GenParams(max_tokens=2), 35)]
+        gate.set()
         await asyncio.gather(*(_collect(j) for j in jobs))
     finally:
+        gate.set()
         eng.stop()
     assert together == []
     assert order == ["forward", "tail", "forward", "forward", "tail"], order  # the first tail after one forward
