@@ -386,3 +386,33 @@ def connector_closure(root: str = "service.vllm.connector") -> tuple[set[str], s
             todo.append(name)
             todo.extend(f"{name}.{n}" for n in names if _module_file(f"{name}.{n}") is not None)  # submodules
     return modules, external
+
+
+def helm_lint(renderer, values: dict | None = None) -> None:
+    """`helm lint --strict` of the chart (with `values`), by the helm binary or helm-python-sdk; fails on an error or
+    a message above INFO ("icon is recommended")."""
+    if renderer.helm:
+        args = [renderer.helm, "lint", "--strict", str(CHART)]
+        path = None
+        if values is not None:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(values, f)
+            path = f.name
+            args += ["--values", path]
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True)
+        finally:
+            if path:
+                os.unlink(path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    if not renderer.sdk:
+        missing("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
+    code = ("import json, sys, helm_python as h; "
+            "r = h.lint(sys.argv[1], json.loads(sys.argv[2]), strict=True); print(json.dumps(r))")
+    proc = subprocess.run([sys.executable, "-c", code, str(CHART), json.dumps(values or {})], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    serious = [m for m in result["messages"] if m["severity"] > 1]
+    assert not result["errors"] and not serious, result

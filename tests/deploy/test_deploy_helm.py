@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from deploy_helpers import CHART, NAMESPACE, REPO, VLLM_IMAGE_PACKAGES, RenderError, connector_closure, load_yaml
-from deploy_helpers import missing
+from deploy_helpers import helm_lint, missing
 
 VALUES = load_yaml(CHART / "values.yaml")
 TEMPLATES = {p.name: p.read_text() for p in (CHART / "templates").iterdir()}
@@ -330,22 +330,7 @@ def test_manifests_match_kubernetes_schemas(render, values):
 
 
 def test_helm_lint(helm_renderer):
-    if helm_renderer.helm:
-        proc = subprocess.run([helm_renderer.helm, "lint", "--strict", str(CHART)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return
-    if not helm_renderer.sdk:
-        missing("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
-    code = (
-        "import json, sys, helm_python as h; "
-        "r = h.lint(sys.argv[1], strict=True); "
-        "print(json.dumps(r))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(CHART)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    serious = [m for m in result["messages"] if m["severity"] > 1]  # 1 = INFO ("icon is recommended")
-    assert not result["errors"] and not serious, result
+    helm_lint(helm_renderer)
 
 
 def test_rendered_yaml_is_plain(render):

@@ -13,14 +13,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
 from deploy_helpers import CHART, NAMESPACE, REPO, RenderError, load_yaml
-from deploy_helpers import missing
+from deploy_helpers import helm_lint
 
 VALUES = load_yaml(CHART / "values.yaml")
 FULLNAME = "rel-skillcache"
@@ -406,26 +405,4 @@ def test_topologies_match_kubernetes_schemas(render, values):
 def test_topologies_pass_helm_lint(helm_renderer):
     values = copy.deepcopy(TIER)
     values["config"] = {"SKILLCACHE_ALLOW_NO_AUTH": "1"}
-    if helm_renderer.helm:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(values, f)
-        try:
-            proc = subprocess.run([helm_renderer.helm, "lint", "--strict", str(CHART), "--values", f.name],
-                                  capture_output=True, text=True)
-        finally:
-            os.unlink(f.name)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return
-    if not helm_renderer.sdk:
-        missing("no Helm renderer: install a `helm` binary or `pip install helm-python-sdk`")
-    code = (
-        "import json, sys, helm_python as h; "
-        "r = h.lint(sys.argv[1], json.loads(sys.argv[2]), strict=True); "
-        "print(json.dumps(r))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(CHART), json.dumps(values)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    serious = [m for m in result["messages"] if m["severity"] > 1]  # 1 = INFO ("icon is recommended")
-    assert not result["errors"] and not serious, result
+    helm_lint(helm_renderer, values)
