@@ -167,8 +167,8 @@ class Settings(BaseSettings):
     background_share: float = Field(0.1, ge=0.0, le=1.0, description="share of the engine's busy time that "
                                     "background work (calibration, shadow checks, refinement) gets under load")
     background_idle_ms: float = Field(100.0, ge=0.0, description="background work starts only this long after "
-                                      "live work last finished (idle or under load): a client's next request, sent "
-                                      "right after a response, does not wait behind a background step")
+                                      "live work last finished (idle or under load; on vLLM too): a client's next "
+                                      "request, sent right after a response, does not wait behind a background step")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on SIGTERM, how long open responses (streams) may "
                                     "finish before they are cut and shutdown runs; below the orchestrator's grace")
 

@@ -68,7 +68,8 @@ class VllmEngine:
         self.shared = shared  # the shared spans tier's index (None: each replica's spans dir alone)
         self.refine_after = settings.vllm_refine_after
         self._seen: OrderedDict[str, int] = OrderedDict()  # composition digest -> times served
-        self.bg = Background(settings.vllm_background_chunk)  # live requests in flight; background work waits for them
+        # live requests in flight; background work waits for a quiet moment
+        self.bg = Background(settings.vllm_background_chunk, settings.background_idle_ms / 1e3)
         self.heads = VllmHeads(runtime, pool, shared, self.bg)  # what vLLM has saved, how heads get built
         self.checks = VllmChecks(settings, runtime, self.heads, self.bg)  # calibrations, shadow checks: vLLM requests
         self.guard: "FidelityGuard | None" = None  # the pipeline's (ComposePipeline.use_engine): samples shadow checks
@@ -134,11 +135,11 @@ class VllmEngine:
         """Build the head inside vLLM (when one is due), then stream from vLLM. `finish(prep, done, pre, ttft_ms)`
         builds the Final (the pipeline's, shared with the embedded engine). Errors before the first token raise.
         In flight from here to the stream's end: background prefills wait meanwhile."""
-        self.bg.live += 1
+        self.bg.started()
         try:
             events = await self._start(prep, finish)
         except BaseException:
-            self.bg.live -= 1
+            self.bg.ended()
             raise
         return self._counted(events)
 
@@ -147,7 +148,7 @@ class VllmEngine:
             async for item in events:
                 yield item
         finally:
-            self.bg.live -= 1
+            self.bg.ended()
             await events.aclose()
 
     @staticmethod

@@ -1,5 +1,7 @@
 """Background work on vLLM: what runs behind live traffic and how (compiles ahead, refinements, calibrations, shadow
-checks). The one place that picks a vLLM request's priority and when background work may send it."""
+checks). The one place that picks a vLLM request's priority and when background work may send it: in a quiet
+moment, no live request in flight nor ended within SKILLCACHE_BACKGROUND_IDLE_MS (measured: a one-request refinement
+sent between two back-to-back requests of one client held the second's first token 2.2 s; docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -31,20 +33,34 @@ def approx_salt(namespace: str, digest: str) -> str:
 
 
 class Background:
-    """Counts live requests in flight and sends background work only while there are none."""
+    """Counts live requests in flight and sends background work only in a quiet moment: none in flight, and none
+    ended within `idle_s` (a client's next request comes right after a response: it must not find vLLM busy with a
+    background prefill it cannot interrupt)."""
 
-    def __init__(self, chunk: int = 0) -> None:
+    def __init__(self, chunk: int = 0, idle_s: float = 0.0) -> None:
         self.chunk = chunk  # new tokens per background request (0: the whole prefill in one)
+        self.idle_s = idle_s  # SKILLCACHE_BACKGROUND_IDLE_MS, as on the embedded engine
         self.live = 0  # live requests in flight (their composition started, their stream not yet closed)
+        self.t_end = float("-inf")  # when the last live request ended (monotonic)
         self._tasks: set[asyncio.Task] = set()
+
+    def started(self) -> None:
+        self.live += 1
+
+    def ended(self) -> None:
+        self.live -= 1
+        self.t_end = time.monotonic()
 
     def priority(self, background: bool) -> int:
         return BACKGROUND if background else LIVE
 
+    def quiet(self) -> bool:
+        return self.live == 0 and time.monotonic() - self.t_end >= self.idle_s
+
     async def idle(self) -> None:
-        """Returns once no live request is in flight (at most IDLE_WAIT_S later)."""
+        """Returns in a quiet moment (at most IDLE_WAIT_S later: a live count that never drains)."""
         deadline = time.monotonic() + IDLE_WAIT_S
-        while self.live > 0 and time.monotonic() < deadline:
+        while not self.quiet() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def prefill(self, client, ids: list[int], salt: str, save: Save | None = None) -> None:
