@@ -41,7 +41,7 @@ def load_runtime(model: str, device: str = "auto", dtype: str = "auto", chat_tem
     SKILLCACHE_BENCH_TOKENIZER when set, as on a GPU machine without the GGUF)."""
     from service.config import Settings
     from service.runtime import build_runtime
-    from service.runtime.engine import ModelRuntime
+    from service.runtime.model import ModelRuntime
     from service.runtime.loader import LoadedModel, resolve_device, resolve_dtype
 
     if model not in CONFIGS:

@@ -1,5 +1,5 @@
 """`python -m service` plus one route, for bench/background.py's `alternate` arm: POST /bench/background with
-{"paused": true | false} pauses or resumes the engine's background work (ServingEngine.pause_background: queued
+{"paused": true | false} pauses or resumes the engine's background work (ServingLoop.pause_background: queued
 work waits, nothing is dropped). Benchmarks only: the service itself has no such route.
 
     python bench/serve_switch.py --port 8000

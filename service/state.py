@@ -16,7 +16,7 @@ from service.compose.pipeline import ComposePipeline
 from service.memory.registry import build_memories
 from service.registry.registry import SkillRegistry
 from service.registry.skillfile import iter_skill_files, parse_skill_file
-from service.runtime.serving import EngineConfig, ServingEngine
+from service.runtime.serving import EngineConfig, ServingLoop
 from service.sessions.manager import SessionManager
 from service.store.factory import build_store
 
@@ -38,7 +38,7 @@ class AppState:
         self.settings = settings
         self.runtime = runtime  # injected by tests; otherwise loaded in the background
         self.store, self.definitions = build_store(settings)
-        self.engine = ServingEngine(EngineConfig.from_settings(settings))
+        self.engine = ServingLoop(EngineConfig.from_settings(settings))
         self.registry: SkillRegistry | None = None
         self.pipeline: ComposePipeline | None = None
         self.sessions: SessionManager | None = None

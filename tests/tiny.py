@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.fingerprint import model_fingerprint
 from service.runtime.loader import build_random_model
 

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.fingerprint import model_fingerprint
 from service.runtime.loader import build_random_model
 from tiny import tiny_config, tiny_tokenizer

@@ -23,7 +23,7 @@ from service.config import Settings
 from service.kv.blockref import BlockRef
 
 if TYPE_CHECKING:
-    from service.runtime.serving import ServingEngine
+    from service.runtime.serving import ServingLoop
     from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ KEPT = 4096  # calibrations of blocks no store holds (an engine that keeps its o
 
 
 class FidelityGuard:
-    def __init__(self, settings: Settings, runtime, engine: "ServingEngine", store: "TieredStore") -> None:
+    def __init__(self, settings: Settings, runtime, engine: "ServingLoop", store: "TieredStore") -> None:
         self.s, self.rt, self.engine, self.store = settings, runtime, engine, store
         self.degraded: dict[str, dict] = {}  # block key -> the failed shadow check
         self.shadow: dict[str, dict] = {}  # block key -> {"checks", "passed", "cosine_min", "cosine_mean"}

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from service.memory.registry import LateMemory
     from service.runtime.prompt import PromptPlan
     from service.store.tiered import TieredStore
-    from service.runtime.engine import ModelRuntime
+    from service.runtime.model import ModelRuntime
     from service.runtime.steps import PrefillResult
-    from service.runtime.serving import ServingEngine
+    from service.runtime.serving import ServingLoop
 
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Final:
 
 class ComposePipeline:
     def __init__(self, settings: Settings, runtime: ModelRuntime, registry: SkillRegistry,
-                 store: "TieredStore", engine: "ServingEngine") -> None:
+                 store: "TieredStore", engine: "ServingLoop") -> None:
         self.settings = settings
         self.rt = runtime
         self.registry = registry

@@ -14,7 +14,7 @@ uninitialised memory can reach P.V (sdpa multiplies a masked column's value by 0
 only live rows are written, so growing the batch does not zero-fill (and fault in) the slots no row uses yet.
 
 Shared chunks: concurrent requests on the same skills hold the same K/V up to where their texts part (a skill
-copied after the anchor, the same seams, a refined prefix: bitwise the same, service/runtime/engine.py). Each row
+copied after the anchor, the same seams, a refined prefix: bitwise the same, service/runtime/model.py). Each row
 still holds its own copy, but when a row joins, its whole chunks of SHARE_CHUNK columns are compared with the rows
 already here, and `sources()` tells the attention kernel which row to read each chunk from, so a skill's K/V comes
 from memory once a step for every row on it. At eight rows of a ~1k-token skill the rows' K/V reads were half of a

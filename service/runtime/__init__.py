@@ -36,7 +36,7 @@ def build_runtime(settings: Settings, phase=None):
     engine's thread, which owns torch's threads (service/runtime/threads.py) and then runs every forward. `phase`:
     service/phases.py's Phases (a context per start-up phase), or None."""
     phase = phase or (lambda name: nullcontext())
-    from service.runtime.engine import ModelRuntime
+    from service.runtime.model import ModelRuntime
     from service.runtime.fingerprint import model_fingerprint
     from service.runtime.loader import load_model
     from service.runtime.templates import use_chat_template

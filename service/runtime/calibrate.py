@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from service.kv.block import KVBlock
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.steps import BACKGROUND_CHUNK_TOKENS, Steps, run_steps
 
 _PROBES = [  # (system text, neighbour text or None, user turn)

@@ -1,7 +1,7 @@
 """Composer: what a composed prompt's cache is made of: which tokens are copied from a block (re-rotated to their
 place), which run through the model (seams, edited spans, the text between blocks), and where an exact prefix ends.
 
-The runtime (service/runtime/engine.py) owns the model and its forwards; the Composer drives them for one prompt. Both
+The runtime (service/runtime/model.py) owns the model and its forwards; the Composer drives them for one prompt. Both
 engines use it: the embedded engine for the whole prompt, the vLLM engine for the head it publishes (tail_limit).
 """
 
@@ -23,7 +23,7 @@ from service.runtime.steps import DEFERRED_TAIL_TOKENS, Mode, PrefillResult, Ste
 
 
 class Forwards(Protocol):
-    """What the Composer drives: the model runtime (service/runtime/engine.py, ModelRuntime)."""
+    """What the Composer drives: the model runtime (service/runtime/model.py, ModelRuntime)."""
 
     anchor: list[int]
     model: Any

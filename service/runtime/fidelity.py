@@ -8,7 +8,7 @@ import torch
 
 from service.kv.block import KVBlock
 from service.runtime.decode import Done, GenParams, generate
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.prompt import PromptPlan
 
 

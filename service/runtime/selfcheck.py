@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from service.kv.cache import new_cache
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 
 
 @dataclass

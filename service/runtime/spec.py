@@ -1,7 +1,7 @@
 """ModelSpec: what the service knows of a model without running it: tokenizer and prompts, config, limits, RoPE.
 
 The vLLM engine's process holds only this (vLLM runs the model: SKILLCACHE_ENGINE=vllm never reads a weight);
-ModelRuntime (service/runtime/engine.py) is a ModelSpec with the weights and the forward passes.
+ModelRuntime (service/runtime/model.py) is a ModelSpec with the weights and the forward passes.
 """
 
 from __future__ import annotations

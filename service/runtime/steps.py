@@ -1,4 +1,4 @@
-"""What a prefill in steps returns and how steps run: shared by the model runtime (service/runtime/engine.py) and the
+"""What a prefill in steps returns and how steps run: shared by the model runtime (service/runtime/model.py) and the
 Composer that builds a request's cache (service/runtime/composer.py)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from service.errors import UnsupportedModel
 from service.kv.cache import new_cache
 from service.kv.rope import NO_ROPE, KeyRotator
 from service.runtime.adapters import ComplexRotary, LayerTypeRotary, MRopeRotary, build_rotator
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.loader import build_random_model
 from service.runtime.prompt import PromptPlan, Segment
 from tiny import SLIDING_WINDOW, random_ids, tiny_config, tiny_runtime, tiny_tokenizer

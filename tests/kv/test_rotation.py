@@ -97,7 +97,7 @@ def test_no_skills_is_full_prefill(family):
      "original_max_position_embeddings": 256},
 ])
 def test_length_dependent_rope_refused_beyond_exact_range(rope):
-    from service.runtime.engine import ModelRuntime
+    from service.runtime.model import ModelRuntime
     from service.runtime.loader import build_random_model
     from tiny import tiny_config, tiny_tokenizer
 

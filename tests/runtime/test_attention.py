@@ -150,7 +150,7 @@ def test_the_decode_batch_runs_its_steps_on_it(family, monkeypatch):
 
 
 def test_switched_off_the_runtime_neither_builds_nor_uses_it(monkeypatch):
-    from service.runtime.engine import ModelRuntime
+    from service.runtime.model import ModelRuntime
     from service.runtime.loader import build_random_model
     from tiny import tiny_config, tiny_tokenizer
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from service.kv.cache import new_cache
 from service.runtime import packed
-from service.runtime.engine import ModelRuntime
+from service.runtime.model import ModelRuntime
 from service.runtime.packed import GROUP, PackedLinear, pack_linears, recover_blocks
 from service.runtime.serving.runner import DecodeBatch
 from tiny import random_ids, tiny_runtime

@@ -10,7 +10,7 @@ import torch
 
 from service.kv.cache import new_cache
 from service.runtime import preempt
-from service.runtime.serving import EngineConfig, ServingEngine
+from service.runtime.serving import EngineConfig, ServingLoop
 from service.runtime.loader import build_random_model
 from tiny import FAMILIES, random_ids, tiny_config, tiny_runtime, tiny_tokenizer
 
@@ -72,7 +72,7 @@ async def test_a_request_arriving_mid_forward_is_served_before_that_background_f
     """The engine's background step parks at the next layer once live work is submitted, serves it, then resumes
     the forward, whose logits are the uninterrupted ones. Without the checkpoints the request waits for it."""
     rt = tiny_runtime("llama")
-    eng = ServingEngine(EngineConfig(max_running=4, background_idle_s=0.0))
+    eng = ServingLoop(EngineConfig(max_running=4, background_idle_s=0.0))
     await eng.run(lambda c: eng.bind(rt))
     loop, order, ids = asyncio.get_running_loop(), [], random_ids(60, seed=4)
     submitted = []

@@ -14,7 +14,7 @@ from service.kv.cache import new_cache
 from service.runtime.decode import generate
 from service.runtime.params import Delta, Done, GenParams
 from service.runtime.prompt import PromptPlan, Segment
-from service.runtime.serving import EngineConfig, ServingEngine
+from service.runtime.serving import EngineConfig, ServingLoop
 from tiny import random_ids, tiny_runtime
 
 
@@ -33,8 +33,8 @@ def rt(monkeypatch):
     return rt
 
 
-async def _engine(rt, **kw) -> ServingEngine:
-    eng = ServingEngine(EngineConfig(**kw))
+async def _engine(rt, **kw) -> ServingLoop:
+    eng = ServingLoop(EngineConfig(**kw))
     await eng.run(lambda c: eng.bind(rt))
     return eng
 
@@ -79,10 +79,10 @@ class FakeClock:
 def clock(monkeypatch) -> FakeClock:
     """Every clock the serving engine reads (step and busy times, the share's window, the idle wait, background
     slices) is this FakeClock for the engines the test creates."""
-    from service.runtime.serving import background, engine, scheduler, starts, work
+    from service.runtime.serving import background, loop, scheduler, starts, work
 
     fake = FakeClock()
-    for module in (engine, scheduler, background, starts, work):
+    for module in (loop, scheduler, background, starts, work):
         monkeypatch.setattr(module, "time", fake)
     return fake
 
@@ -643,7 +643,7 @@ async def test_the_engine_thread_runs_the_torch_threads_it_is_given():
 
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2  # differs from this thread's count, so the assert can fail
-    eng = ServingEngine(EngineConfig(torch_threads=wanted))
+    eng = ServingLoop(EngineConfig(torch_threads=wanted))
     try:
         assert await eng.run(lambda c: torch.get_num_threads()) == wanted
     finally:

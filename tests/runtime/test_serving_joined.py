@@ -12,7 +12,7 @@ from service.kv.cache import append_kv, new_cache
 from service.runtime.steps import PrefillResult
 from service.runtime.params import GenParams
 from service.runtime.prompt import PromptPlan, Segment
-from service.runtime.serving import EngineConfig, ServingEngine
+from service.runtime.serving import EngineConfig, ServingLoop
 from tiny import random_ids, tiny_runtime
 
 
@@ -23,8 +23,8 @@ def rt(monkeypatch):
     return rt
 
 
-async def _engine(rt) -> ServingEngine:
-    eng = ServingEngine(EngineConfig(max_running=8, torch_threads=1))
+async def _engine(rt) -> ServingLoop:
+    eng = ServingLoop(EngineConfig(max_running=8, torch_threads=1))
     await eng.run(lambda c: eng.bind(rt))
     return eng
 

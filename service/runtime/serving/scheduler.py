@@ -39,7 +39,7 @@ class Scheduler:
         self.active: list[Work] = []  # admitted live work with steps left: prefilling sequences, compiles, calls
         self.running: list[SequenceWork] = []  # decoding: running[i] is row i of the decode batch
         self.background: list[Work] = []  # backlog, at most background_backlog: lowest priority first, then arrival
-        self.background_paused = False  # ServingEngine.pause_background: background work waits, queued
+        self.background_paused = False  # ServingLoop.pause_background: background work waits, queued
         self.live_s = self.background_s = 0.0  # busy time in the decaying window
         self._t_account = time.monotonic()
 

@@ -1,5 +1,5 @@
 """How generating requests start on the serving engine: prefill passes within the step's token budget, the first
-token, and joining the decode batch (a mixin of ServingEngine, engine.py; it runs on the model thread).
+token, and joining the decode batch (a mixin of ServingLoop, engine.py; it runs on the model thread).
 
 A composition's text tail is left to the engine (prefill_steps' defer_tail): when several finish composing one after
 another with no forward in between (a burst of one-skill compositions: block copies only), each joins the batch with
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class SequenceStarts:
-    """ServingEngine's prefill and first-token steps (uses its sched, batch, rt, _advance and _leave)."""
+    """ServingLoop's prefill and first-token steps (uses its sched, batch, rt, _advance and _leave)."""
 
     def _prefill(self, budget: int) -> None:
         """Live prefill within `budget` tokens, over admitted work in arrival order, each taking at most the

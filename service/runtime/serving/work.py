@@ -3,7 +3,7 @@
 A `Job` is what a request holds: the events its work emits (thread-safe, from the model thread), its cancel flag,
 and its result. The work itself is one of
 - `Call`: a one-off closure `fn(cancelled)` (the start-up self-check); it runs between steps, alone;
-- `StepsWork`: a step generator (service.runtime.engine.Steps: each `next` runs at most a chunk of tokens
+- `StepsWork`: a step generator (service.runtime.model.Steps: each `next` runs at most a chunk of tokens
   through the model and yields how many), live (a skill compile, a session's opening) or background (calibration,
   shadow checks, refinement);
 - `SequenceWork`: a request that generates: its prefill as steps, then a row of the decode batch.

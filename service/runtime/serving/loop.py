@@ -1,4 +1,4 @@
-"""ServingEngine: the model thread. It runs steps (scheduler.py says what each holds) until no work is left.
+"""ServingLoop: the model thread. It runs steps (scheduler.py says what each holds) until no work is left.
 
 Request threads submit work and get a Job (work.py); everything that touches the model, the decode batch or a
 request's cache runs here, on one thread (torch is imported here only once a model is bound, so the API can import
@@ -51,7 +51,7 @@ class EngineConfig:
                    s.background_idle_ms / 1e3, s.torch_threads, s.shared_kv_reads)
 
 
-class ServingEngine(SequenceStarts):
+class ServingLoop(SequenceStarts):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.sched = Scheduler(config.max_running, config.step_token_budget, config.queue_size,
