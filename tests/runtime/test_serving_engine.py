@@ -347,6 +347,40 @@ async def test_an_idle_engine_waits_before_background_work_and_a_new_request_goe
         eng.stop()
 
 
+async def test_background_work_starts_when_the_idle_wait_ends_between_two_clock_readings(rt, clock, monkeypatch):
+    """The engine reads the clock once to decide whether background work is due and how long to wait: read twice,
+    an idle wait that ends between the two readings leaves the work waiting for a wake-up that never comes. Here
+    every reading by the engine's thread moves the fake clock on by a tick, and the idle wait ends exactly one tick
+    after the engine's first look at the background work."""
+    eng = await _engine(rt, max_running=4, background_share=0.0, background_idle_s=0.5)
+    clock.now = 1024.0  # every time here is a sum of binary fractions: exact, so the wait ends exactly
+    _timed_decode(monkeypatch, eng, clock, 0.25)
+    tick = [0.0]
+
+    def ticking() -> float:
+        t = clock.now
+        if threading.current_thread() is eng.thread:
+            clock.now += tick[0]
+        return t
+
+    monkeypatch.setattr(clock, "monotonic", ticking)
+
+    def bg_steps():
+        yield 1
+        return "done"
+
+    try:
+        await _collect(_submit(eng, rt, random_ids(12, seed=1), GenParams(max_tokens=2)))
+        await _until(lambda: not eng.busy and not eng._in_step, "the request's last step to end")
+        with eng._wake:  # the engine reads the clock only under this lock while it is idle: none of it moves yet
+            tick[0] = 0.125
+            clock.now = eng._t_live + 0.5 - tick[0]  # one tick before the idle wait ends
+            bg = eng.submit_steps(bg_steps(), background=True)
+        assert await asyncio.wait_for(bg.result(), 10) == "done"
+    finally:
+        eng.stop()
+
+
 async def test_under_load_background_steps_leave_a_new_request_and_the_moment_after_one_ends_alone(
         rt, clock, monkeypatch):
     """With another stream decoding (never idle), background work due by its share still does not step while a

@@ -169,8 +169,8 @@ class ServingLoop(SequenceStarts):
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not self._stopping and not self._due():
-                        self._wake.wait(self._idle_left() or None)
+                    while not self._stopping and (wait := self._wait_s()) != 0.0:
+                        self._wake.wait(wait)
                     if self._stopping:
                         break
                 self._in_step = True
@@ -184,9 +184,15 @@ class ServingLoop(SequenceStarts):
         for w in self.sched.drain_all():
             w.close()
 
-    def _due(self) -> bool:
-        """Is there work to step now: live work, or background work once the engine has been idle long enough?"""
-        return self.sched.has_live() or (self.sched.has_work() and not self._idle_left())
+    def _wait_s(self) -> float | None:
+        """How long to wait before the next step: 0.0 now (live work, or background work once the engine has been
+        idle long enough), None until woken (no work), else until background work may start. The clock is read
+        once: read twice, an idle wait ending between the reads would wait for a wake-up that never comes."""
+        if self.sched.has_live():
+            return 0.0
+        if not self.sched.has_work():
+            return None
+        return self._idle_left()
 
     def _idle_left(self) -> float:
         """Seconds until background work may start on an idle engine (0: now)."""
