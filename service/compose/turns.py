@@ -5,10 +5,12 @@ conversation in its prefix cache and gets it whole each turn (service/engines/vl
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from service.compose.usage import timings_of, usage_of
 from service.runtime.params import GenParams
 
 # (done, usage, timings, memory report) -> the session's Final
@@ -28,6 +30,19 @@ class Turn:
     ended: Ended
     release: Callable[[], None]  # once the turn ends, however it ends (the session's lock)
 
+    def end(self, done: Any, pre: Any, ttft_ms: float, store_ms: float) -> Any:
+        """The turn's Final from what the engine did (`pre`, a PrefillResult), the same on every engine. Reused: what
+        the engine did not compute; of it, composed: a memory's blocks floated this turn (the session's head was
+        composed when it opened), the rest an exact prefix (the conversation so far)."""
+        reused = pre.n_reused + pre.n_prefix
+        composed = pre.n_reused if self.late is not None else 0
+        usage = usage_of(pre.n_prompt, composed, reused - composed, pre.n_auto, pre.n_recomputed,
+                         len(done.token_ids))
+        timings = timings_of(ttft_ms, pre.timings_ms.get("prefill_ms", 0.0), store_ms,
+                             (time.perf_counter() - self.t0) * 1e3)
+        memory = self.late.report(pre.seams, late_index(self.plan, self.late)) if self.late is not None else None
+        return self.ended(done, usage, timings, memory)
+
 
 class Turns(Protocol):
     async def open(self, s: Any, prep: Any) -> dict:
@@ -38,6 +53,11 @@ class Turns(Protocol):
         """Start the turn (errors before its first event raise here): an iterator whose first item is None (the turn
         has started), then Delta..., then `turn.ended(...)`'s Final."""
         ...
+
+
+def opened(pre: Any) -> dict:
+    """Turn 0's usage: the session's head as the engine made it ready (`pre`, a PrefillResult)."""
+    return usage_of(pre.n_prompt, pre.n_reused, pre.n_prefix, pre.n_auto, pre.n_recomputed, 0)
 
 
 def late_index(plan, late) -> int:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from service.compose.turns import Turn, late_index
-from service.compose.usage import timings_of, usage_of
+from service.compose.turns import Turn, opened
 from service.runtime.params import Delta, Done
 from service.tools.events import parsed
 
@@ -27,7 +26,7 @@ class EmbeddedTurns:
         if prep.mode == "compose":
             self.p.refiner.note(prep.params.namespace, prep.plan, pre.n_prefix)
         s.cache = pre.cache
-        return usage_of(pre.n_prompt, pre.n_reused, pre.n_prefix, pre.n_auto, pre.n_recomputed, 0)
+        return opened(pre)
 
     async def start(self, s, turn: Turn) -> AsyncIterator:
         """Submit the turn and wait for its first event."""
@@ -72,15 +71,7 @@ class EmbeddedTurns:
                     if late is not None:  # the memory leaves the conversation's cache: floated again next turn
                         ids = await self.memories.leave(s.cache, ids, turn.plan.late_span)
                     s.ids = ids[: s.cache.get_seq_length()]
-                    pre = box["pre"]
-                    reused = pre.n_reused + pre.n_prefix
-                    composed = pre.n_reused if late is not None else 0
-                    usage = usage_of(reused + pre.n_recomputed, composed, reused - composed, 0, pre.n_recomputed,
-                                     len(item.token_ids))
-                    timings = timings_of(box["ttft_ms"], pre.timings_ms.get("prefill_ms", box["ttft_ms"]),
-                                         box["store_ms"], (time.perf_counter() - turn.t0) * 1e3)
-                    memory = late.report(pre.seams, late_index(turn.plan, late)) if late is not None else None
-                    yield turn.ended(item, usage, timings, memory)
+                    yield turn.end(item, box["pre"], box["ttft_ms"], box["store_ms"])
                     return
                 yield item
         finally:

@@ -20,8 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from service.compose.pipeline import ComposeParams, Final, Prepared
-from service.compose.turns import Turn, late_index
-from service.compose.usage import timings_of, usage_of
+from service.compose.turns import Turn, opened
 from service.runtime.params import GenParams
 
 
@@ -38,7 +37,7 @@ class VllmTurns:
         async for _ in events:
             pass
         pre = box["pre"]
-        return usage_of(pre.n_prompt, pre.n_reused, pre.n_prefix, pre.n_auto, pre.n_recomputed, 0)
+        return opened(pre)
 
     async def start(self, s, turn: Turn) -> AsyncIterator:
         """Send the whole conversation; errors before the first token raise here."""
@@ -59,21 +58,13 @@ class VllmTurns:
     async def _relay(self, s, turn: Turn, events: AsyncGenerator, box: dict) -> AsyncIterator:
         """The turn's events, its Final replaced by the session's; what the engine did not compute is reused
         (composed: the head's tokens loaded this turn, when a memory made the head)."""
-        tools, late = turn.tools, turn.late
+        tools = turn.tools
         try:
             yield None  # started: an async generator closed before it started runs no `finally`
             async for item in events:
                 if isinstance(item, Final):
-                    pre = box["pre"]
                     s.ids = turn.plan.ids + (tools.tail_ids if tools is not None else []) + item.done.token_ids
-                    reused = pre.n_reused + pre.n_prefix
-                    composed = pre.n_reused if late is not None else 0
-                    usage = usage_of(pre.n_prompt, composed, reused - composed, pre.n_auto, pre.n_recomputed,
-                                     len(item.done.token_ids))
-                    timings = timings_of(box["ttft_ms"], pre.timings_ms.get("prefill_ms", 0.0), box["store_ms"],
-                                         (time.perf_counter() - turn.t0) * 1e3)
-                    memory = late.report(pre.seams, late_index(turn.plan, late)) if late is not None else None
-                    yield turn.ended(item.done, usage, timings, memory)
+                    yield turn.end(item.done, box["pre"], box["ttft_ms"], box["store_ms"])
                     return
                 yield item
         finally:
