@@ -80,7 +80,7 @@ class AppState:
             self.pipeline = ComposePipeline(self.settings, rt, self.registry, self.store, self.engine)
             self.pipeline.use_engine(self._build_engine(self.pipeline))
             self.memories = build_memories(self.settings, rt, self.definitions, self.store, self.engine,
-                                           refs=self.pipeline.runner.compiles_blocks)
+                                           self.pipeline.blocks)
             self.sessions = SessionManager(self.pipeline, self.memories)
             self.sessions.saved.start_sweeper()
             with self.phases("shipped skills: registering and compiling"):
@@ -100,7 +100,8 @@ class AppState:
             return VllmEngine(self.settings, pipeline.rt)
         from service.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(self.settings, pipeline.rt, self.engine, pipeline.refiner, pipeline.guard, pipeline.auto)
+        return EmbeddedEngine(self.settings, pipeline.rt, self.engine, pipeline.store, pipeline.refiner, pipeline.guard,
+                              pipeline.auto)
 
     async def _build_runtime(self):
         if self.settings.engine == "vllm":  # tokenizer, config, RoPE: vLLM runs the model, no weight is read here
@@ -124,11 +125,9 @@ class AppState:
                 rec, _ = await self.registry.register(
                     DEFAULT_NAMESPACE, spec["name"], spec["text"], spec.get("description"), spec.get("fields"),
                 )
-                if self.pipeline.runner.compiles_blocks:  # by the engine, once it answers: not on readiness's path
-                    await self.pipeline.block_for(DEFAULT_NAMESPACE, rec.default_text)
-                    self.pipeline.compile_skill_soon(DEFAULT_NAMESPACE, rec.default_text)
-                else:
-                    await self.pipeline.compile_skill(DEFAULT_NAMESPACE, rec.default_text)
+                block, _ = await self.pipeline.block_for(DEFAULT_NAMESPACE, rec.default_text)  # embedded: compiled
+                # on vLLM: compiled by vLLM once it answers, not on readiness's path
+                self.pipeline.compile_skill_soon(DEFAULT_NAMESPACE, block)
                 self.preload[rec.name] = {"version": rec.version, "n_tokens": rec.n_tokens}
             except (ServiceError, ValueError, OSError) as e:
                 log.error("skill file %s not loaded: %s", path, e)

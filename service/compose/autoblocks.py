@@ -12,10 +12,11 @@ a repeated arrangement is refined into an exact head.
 
 A section's key is its text's block key under the request's namespace: one tenant's sections never serve another.
 
-On an engine that compiles and keeps blocks itself (vLLM: `engine.compiles_blocks`), a section's block is the
-engine's (a BlockRef, held where the engine says so, compiled by it at background priority), and a system text this
-tenant has sent before as plain text, with nothing composed before it, stays text: vLLM's exact prefix cache serves
-that prompt exactly, and composing it would move it to an approximate head. Sections compose there where the exact
+Where a section's block is held and how it is compiled is the engine's (`Blocks`, service/store/blocks.py): on
+vLLM a BlockRef, held where vLLM saved it, compiled by vLLM at background priority. Where the engine's prefix cache
+keeps a system text sent whole (`blocks.exact_texts`: vLLM's), a system text this tenant has sent before as plain
+text, with nothing composed before it, stays text: vLLM's exact prefix cache serves that prompt exactly, and
+composing it would move it to an approximate head. Sections compose there where the exact
 cache misses: the same sections after another preamble or in another order.
 """
 
@@ -24,20 +25,17 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from service import metrics
-from service.compose import background
 from service.compose.sections import Part, split_parts
-from service.errors import ServiceError
-from service.kv.blockref import BlockRef
 from service.registry.skill import TextBlock
 
 if TYPE_CHECKING:
+    from service.store.blocks import Blocks
     from service.compose.guard import FidelityGuard
     from service.registry.registry import SkillRegistry
     from service.store.key import BlockKey
-    from service.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 _SEEN_MAX = 4096  # sections whose sightings are remembered (LRU)
@@ -56,22 +54,21 @@ class SystemParts:
 
 
 class AutoBlocks:
-    def __init__(self, settings, runtime, registry: "SkillRegistry", store: "TieredStore",
-                 guard: "FidelityGuard") -> None:
-        self.s, self.rt, self.registry, self.store, self.guard = settings, runtime, registry, store, guard
-        self.engine: Any = None  # the pipeline's engine (ComposePipeline.use_engine)
-        self._has_memory = any(t.name == "memory" for t in store.tiers)  # the only tier sections live in here
+    def __init__(self, settings, runtime, registry: "SkillRegistry", guard: "FidelityGuard") -> None:
+        self.s, self.rt, self.registry, self.guard = settings, runtime, registry, guard
+        self.blocks: "Blocks | None" = None  # the engine's (ComposePipeline.use_engine)
         self._seen: OrderedDict[str, int] = OrderedDict()
         self._exact: OrderedDict[str, None] = OrderedDict()  # system texts sent as plain text (engine-kept blocks)
         self._pending: set[str] = set()
 
     @property
-    def _refs(self) -> bool:
-        return self.engine is not None and self.engine.compiles_blocks
+    def _exact_texts(self) -> bool:
+        return self.blocks is not None and self.blocks.exact_texts
 
     @property
     def enabled(self) -> bool:
-        return bool(self.s.auto_reuse) and self.s.auto_sections != "off" and (self._has_memory or self._refs)
+        return (bool(self.s.auto_reuse) and self.s.auto_sections != "off" and self.blocks is not None
+                and self.blocks.sections)
 
     async def resolve(self, namespace: str, marked: list[str], text: str, taken: list[str], room: int,
                       compose: bool, seam_tokens: int | None) -> SystemParts:
@@ -83,7 +80,7 @@ class AutoBlocks:
         first, out, names = len(taken), SystemParts(), set(taken)
         encode = self.rt.prompts.encode_content
         whole = f"{namespace}\x00{marked}\x00{text}"  # taken is empty where this counts
-        exact = self._refs and not taken and whole in self._exact  # vLLM's exact prefix cache has it
+        exact = self._exact_texts and not taken and whole in self._exact  # vLLM's exact prefix cache has it
         split = split_parts(text, self.s.auto_sections, encode, self.s.auto_section_min_tokens,
                             self.s.max_skill_tokens) if text else []
         items = [(Part(t, ids := encode(t), 0 < len(ids) <= self.s.max_skill_tokens), True) for t in marked]
@@ -118,7 +115,7 @@ class AutoBlocks:
                 metrics.AUTO_BLOCKS.labels("text").inc()
                 out.scheduled_tokens += len(part.ids) if self._schedule(key, part.ids) else 0
             out.parts.append(part.text)
-        if self._refs and compose and not taken and not out.blocks:  # sent whole as text: exact in vLLM's cache
+        if self._exact_texts and compose and not taken and not out.blocks:  # sent whole as text: exact in vLLM's cache
             self._exact.pop(whole, None)
             self._exact[whole] = None
             while len(self._exact) > _SEEN_MAX:
@@ -126,12 +123,9 @@ class AutoBlocks:
         return out
 
     async def _held(self, key: "BlockKey", ids: list[int]):
-        """The section's block where it is held (None: not yet): the store's memory tier, or the engine's."""
-        if self._refs:
-            ref = BlockRef(list(ids), len(self.rt.anchor))
-            return ref if self.engine.holds(key.namespace, ref) else None
-        block, _ = await self.store.get(key, ephemeral=True)
-        return block if block is not None and block.token_ids == ids else None
+        """The section's block where the engine holds it (None: not yet)."""
+        assert self.blocks is not None  # enabled
+        return await self.blocks.held(key, ids)
 
     def _schedule(self, key: "BlockKey", ids: list[int]) -> bool:
         """Count a sighting; queue the compile once it has been seen often enough (True: queued now)."""
@@ -151,24 +145,11 @@ class AutoBlocks:
         return True
 
     async def _compile(self, key: "BlockKey", ids: list[int]) -> None:
-        if self._refs:  # the engine compiles it at background priority, behind live requests
-            try:
-                await self.engine.compile_block(key.namespace, BlockRef(list(ids), len(self.rt.anchor)))
-                metrics.AUTO_BLOCKS.labels("compiled").inc()
-            except ServiceError as e:
-                log.warning("section block not compiled (a later sighting queues it again): %s", e)
-            finally:
-                self._pending.discard(str(key))
-            return
+        """Seen once, the compile is a guess: it runs only while the engine is idle; seen again, in the share."""
+        assert self.blocks is not None  # enabled
         try:
-            steps = self.rt.compile_block_steps(ids, chunk=self.s.background_chunk_tokens)
-            # seen once, the compile is a guess: it runs only while the engine is idle; seen again, in the share
-            block = await self.guard.run_background(steps, priority=background.section_compile(len(ids)),
-                                                    idle_only=lambda: self._seen.get(str(key), 0) < 2)
-            if block is None:  # the engine's background backlog was full: a later sighting queues it again
-                metrics.AUTO_BLOCKS.labels("dropped").inc()
-                return
-            await self.store.put(key, block, ephemeral=True)
-            metrics.AUTO_BLOCKS.labels("compiled").inc()
+            out = await self.blocks.behind(key, ids, idle_only=lambda: self._seen.get(str(key), 0) < 2)
+            if out != "failed":  # dropped (the engine's background backlog was full): a later sighting queues it again
+                metrics.AUTO_BLOCKS.labels(out).inc()
         finally:
             self._pending.discard(str(key))

@@ -8,12 +8,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from service.store.blocks import Blocks
     from service.compose.guard import Checks, FidelityGuard
     from service.compose.turns import Turns
 
 
 class Engine(Protocol):
-    compiles_blocks: bool  # True: the engine compiles and keeps blocks itself; the pipeline hands it BlockRefs
+    @property
+    def blocks(self) -> "Blocks":
+        """Where blocks come from and where they are kept (service/store/blocks.py)."""
+        ...
 
     @property
     def checks(self) -> "Checks":
@@ -36,11 +40,3 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-    def holds(self, namespace: str, block: Any) -> bool:
-        """compiles_blocks: the engine has this block (a request using it compiles nothing)."""
-        ...
-
-    async def compile_block(self, namespace: str, block: Any) -> None:
-        """compiles_blocks: compile `block` ahead of use, at background priority (no-op otherwise)."""
-        ...

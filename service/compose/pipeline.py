@@ -19,9 +19,8 @@ from service import metrics
 from service.config import Settings
 from service.compose.auto import AutoHeads
 from service.compose.autoblocks import AutoBlocks
-from service.kv.blockref import BlockRef
 from service.compose.edits import SkillEdit, check_fields, plan_edit
-from service.errors import InvalidRequest, LimitExceeded, ServiceError
+from service.errors import InvalidRequest, LimitExceeded
 from service.compose.guard import FidelityGuard
 from service.compose.refine import PrefixRefiner
 from service.compose.usage import count, timings_of, usage_of
@@ -35,6 +34,7 @@ from service.tools.render import ToolPrompt
 from service.tools.spec import ToolsParams
 
 if TYPE_CHECKING:
+    from service.store.blocks import Blocks
     from service.compose.engine import Engine
     from service.compose.autoblocks import SystemParts
     from service.kv.block import KVBlock
@@ -118,16 +118,17 @@ class ComposePipeline:
                                      self.guard, settings.refine_from_full)
         self.tool_prompt = ToolPrompt(runtime.prompts)
         self.auto = AutoHeads(settings, runtime.fingerprint)  # automatic exact heads (embedded engine)
-        self.sections = AutoBlocks(settings, runtime, registry, store, self.guard)  # system-prompt sections
+        self.sections = AutoBlocks(settings, runtime, registry, self.guard)  # system-prompt sections
         self.runner: "Engine"  # what serves prepared requests: given by use_engine (AppState) before the first
         # request
+        self.blocks: "Blocks"  # where blocks come from: the runner's (use_engine)
 
     def use_engine(self, runner: "Engine") -> None:
         """Run prepared requests on `runner` (service/engines/); its checks compute the guard's calibrations and
         shadow checks."""
         self.runner = runner
         runner.guard, self.guard.checks = self.guard, runner.checks
-        self.sections.engine = runner
+        self.blocks = self.sections.blocks = runner.blocks
 
     async def block_for(self, namespace: str, text: str, variant: bool = False):
         """The block of exactly `text` (from a tier, or compiled once on the engine) and where it came from.
@@ -145,14 +146,11 @@ class ComposePipeline:
         engine that keeps its own blocks, by that engine at background priority (an engine that is down: on first
         use instead)."""
         block, _ = await self.block_for(namespace, text)
-        if self.runner.compiles_blocks:
-            try:
-                await self.runner.compile_block(namespace, block)
-            except ServiceError as e:
-                log.warning("skill block not compiled ahead (it is on first use): %s", e)
+        await self.blocks.ahead(namespace, block)
 
-    def compile_skill_soon(self, namespace: str, text: str, wait_s: float = 600.0) -> None:
-        """compile_skill in the background once the engine answers (start-up: vLLM may come up after skillcache)."""
+    def compile_skill_soon(self, namespace: str, block, wait_s: float = 600.0) -> None:
+        """`block` (from block_for) made ready on the engine in the background once the engine answers (start-up:
+        vLLM may come up after skillcache)."""
 
         async def run() -> None:
             deadline = time.monotonic() + wait_s
@@ -161,7 +159,7 @@ class ComposePipeline:
                     log.warning("the engine did not answer within %.0f s: shipped skills compile on first use", wait_s)
                     return
                 await asyncio.sleep(2.0)
-            await self.compile_skill(namespace, text)
+            await self.blocks.ahead(namespace, block)
 
         self.guard.spawn(run())
 
@@ -176,23 +174,7 @@ class ComposePipeline:
         return block, source, key
 
     async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
-        if self.runner.compiles_blocks:  # the engine compiles and keeps its own blocks (vLLM): nothing is held here
-            ref = BlockRef(list(token_ids()), len(self.rt.anchor))
-            where = "engine" if self.runner.holds(key.namespace, ref) else "compiled"  # compiled: by this request
-            metrics.SKILL_HITS.labels(where).inc()
-            return ref, where
-
-        async def compile_fn():
-            t0 = time.perf_counter()
-            ids = token_ids()  # only on a miss: hits never re-tokenize
-            block = await self.engine.run_steps(
-                self.rt.compile_block_steps(ids, chunk=self.settings.prefill_chunk_tokens))
-            metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
-            return block
-
-        block, source = await self.store.get_or_compile(key, compile_fn, ephemeral=ephemeral)
-        metrics.SKILL_HITS.labels(source).inc()
-        return block, source
+        return await self.blocks.get(key, token_ids, ephemeral)
 
     def check_request(self, skills: list, max_tokens: int) -> None:
         if len(skills) > self.settings.max_skills_per_request:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from service.compose.blocks import StoreBlocks
 from service.engines.embedded_checks import RuntimeChecks
 from service.engines.embedded_turns import EmbeddedTurns
 from service.runtime.params import Delta, Done
@@ -30,9 +31,7 @@ if TYPE_CHECKING:
 
 
 class EmbeddedEngine:
-    compiles_blocks = False  # blocks are compiled on this process's model and kept in the store's tiers
-
-    def __init__(self, settings, runtime, serving, refiner, guard, auto: "AutoHeads | None" = None) -> None:
+    def __init__(self, settings, runtime, serving, store, refiner, guard, auto: "AutoHeads | None" = None) -> None:
         self.settings = settings
         self.rt = runtime
         self.serving = serving
@@ -40,16 +39,11 @@ class EmbeddedEngine:
         self.guard = guard
         self.checks = RuntimeChecks(settings, runtime, guard.run_background)  # calibrations, shadow checks
         self.auto = auto  # automatic exact heads (service/compose/auto.py); None or disabled: off
-
-    def holds(self, namespace: str, block) -> bool:
-        return True  # its blocks are the store's (compiles_blocks False: the pipeline never asks)
+        self.blocks = StoreBlocks(settings, runtime, serving, store, guard)  # compiled here, kept in the store's tiers
 
     def session_turns(self, pipeline, memories) -> EmbeddedTurns:
         """Each session holds its conversation's cache here; a turn extends it (service/engines/embedded_turns.py)."""
         return EmbeddedTurns(pipeline, memories)
-
-    async def compile_block(self, namespace: str, block) -> None:
-        return None  # compiled into the store by the pipeline (compiles_blocks False)
 
     async def health(self) -> bool:
         return True  # the model thread is this process: /livez covers it

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from service import metrics
 from service.errors import EngineUnavailable
 from service.runtime.params import Delta, Done
+from service.engines.vllm_blocks import VllmBlocks
 from service.engines.vllm_turns import VllmTurns
 from service.tools.events import parsed
 from service.vllm.background import Background, approx_salt, exact_salt
@@ -53,8 +54,6 @@ ROUTE_TOKENS = 256  # a request with no composed head is routed by its tenant an
 
 
 class VllmEngine:
-    compiles_blocks = True  # vLLM compiles each block, its connector keeps it: the pipeline names blocks by ids
-
     def __init__(self, settings, runtime, serving_engine=None, client: VllmClient | None = None,
                  pool: VllmPool | None = None, shared=None) -> None:
         self.settings = settings
@@ -73,6 +72,7 @@ class VllmEngine:
         self.heads = VllmHeads(runtime, pool, shared, self.bg)  # what vLLM has saved, how heads get built
         self.checks = VllmChecks(settings, runtime, self.heads, self.bg)  # calibrations, shadow checks: vLLM requests
         self.guard: "FidelityGuard | None" = None  # the pipeline's (ComposePipeline.use_engine): samples shadow checks
+        self.blocks = VllmBlocks(self, len(runtime.anchor))  # BlockRefs: vLLM compiles them, its connector keeps them
 
     @property
     def pool(self) -> VllmPool:
@@ -121,6 +121,7 @@ class VllmEngine:
                                                                      namespace, background=True))
 
     def holds(self, namespace: str, block) -> bool:
+        """vLLM has saved `block` (a request using it compiles nothing)."""
         return self.heads.holds(namespace, block)
 
     def plan(self, prep: "Prepared") -> tuple[Chain, dict[int, int], list[tuple[str, list[int], int]]]:

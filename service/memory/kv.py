@@ -8,20 +8,21 @@ again from the compiled one should they be gone. All model work runs on the serv
 
 from __future__ import annotations
 
-import time
+from typing import TYPE_CHECKING
 
-from service import metrics
-from service.kv.blockref import BlockRef
 from service.kv.layout import LAYOUT_VERSION
 from service.memory.edits import inplace_layout
 from service.memory.record import MemoryBlock
 from service.store.key import BlockKey
 
+if TYPE_CHECKING:
+    from service.store.blocks import Blocks
+
 
 class MemoryKV:
-    def __init__(self, runtime, engine, store, chunk: int, refs: bool = False) -> None:
-        self.rt, self.engine, self.store, self.chunk = runtime, engine, store, chunk
-        self.refs = refs  # the engine compiles blocks itself (vLLM): blocks are BlockRefs, no K/V here
+    def __init__(self, runtime, engine, store, chunk: int, blocks: "Blocks") -> None:
+        """`blocks`: the engine's (service/store/blocks.py): on vLLM a block is its ids, compiled there."""
+        self.rt, self.engine, self.store, self.chunk, self.blocks = runtime, engine, store, chunk, blocks
 
     def key(self, namespace: str, content_hash: str) -> BlockKey:
         return BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, content_hash)
@@ -30,35 +31,26 @@ class MemoryKV:
         return len(self.rt.prompts.encode_content(text))
 
     async def block(self, namespace: str, b: MemoryBlock, upto: int | None = None):
-        """(KVBlock, source) of `b` after its first `upto` in-place edits (None: all of them); source is a tier's
-        name or "compiled" (made now)."""
+        """(block, source) of `b` after its first `upto` in-place edits (None: all of them); source is a tier's
+        name, "engine" or "compiled" (made now)."""
         n = len(b.patches) if upto is None else upto
-        if self.refs:  # vLLM compiles the block as its text is now: an in-place edit is a compile there
-            text = b.patches[n - 1]["text"] if n else b.base
-            return BlockRef(self.rt.prompts.encode_content(text), len(self.rt.anchor)), "engine"
+        text = b.patches[n - 1]["text"] if n else b.base
         kept = n == 0 or upto is None  # the compiled block and the current one; not the steps between
 
-        async def make():
-            t0 = time.perf_counter()
-            if n == 0:
-                ids = self.rt.prompts.encode_content(b.base)
-                out = await self.engine.run_steps(self.rt.compile_block_steps(ids, chunk=self.chunk))
-            else:
-                prev, _ = await self.block(namespace, b, n - 1)
-                patch = b.patches[n - 1]
-                old_text = b.patches[n - 2]["text"] if n > 1 else b.base
-                layout = inplace_layout(self.rt.prompts, old_text, patch["text"], patch["label"])
-                if isinstance(layout, str):  # checked when the edit was made: only a changed tokenizer gets here
-                    raise RuntimeError(f"in-place edit of {patch['label']!r} no longer applies: {layout}")
-                from service.runtime.late import inplace_block_steps  # torch: the API imports this module
+        async def edited():  # this process's K/V: the block before the edit, the edited span recomputed in place
+            prev, _ = await self.block(namespace, b, n - 1)
+            patch = b.patches[n - 1]
+            old_text = b.patches[n - 2]["text"] if n > 1 else b.base
+            layout = inplace_layout(self.rt.prompts, old_text, patch["text"], patch["label"])
+            if isinstance(layout, str):  # checked when the edit was made: only a changed tokenizer gets here
+                raise RuntimeError(f"in-place edit of {patch['label']!r} no longer applies: {layout}")
+            from service.runtime.late import inplace_block_steps  # torch: the API imports this module
 
-                out = await self.engine.run_steps(inplace_block_steps(self.rt, prev, *layout, chunk=self.chunk))
-            metrics.STAGE.labels("compile").observe(time.perf_counter() - t0)
-            return out
+            return await self.engine.run_steps(inplace_block_steps(self.rt, prev, *layout, chunk=self.chunk))
 
-        block, source = await self.store.get_or_compile(self.key(namespace, b.recipes()[n]), make, ephemeral=not kept)
-        metrics.SKILL_HITS.labels(source).inc()
-        return block, source
+        # vLLM compiles the block as its text is now: an in-place edit is a compile there
+        return await self.blocks.get(self.key(namespace, b.recipes()[n]), lambda: self.rt.prompts.encode_content(text),
+                                     ephemeral=not kept, make=edited if n else None)
 
     async def forget(self, namespace: str, hashes: set[str]) -> None:
         """Delete blocks no revision of this memory uses any more, in every tier."""

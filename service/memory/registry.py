@@ -179,7 +179,7 @@ class MemoryRegistry:
         return ids[:start] + ids[end:]
 
 
-def build_memories(settings, runtime, definitions: DefinitionStore, store, engine, refs: bool = False
-                   ) -> MemoryRegistry:
-    """refs: the engine compiles blocks itself (vLLM): memory blocks are handed to it as BlockRefs."""
-    return MemoryRegistry(definitions, MemoryKV(runtime, engine, store, settings.prefill_chunk_tokens, refs), settings)
+def build_memories(settings, runtime, definitions: DefinitionStore, store, engine, blocks) -> MemoryRegistry:
+    """`blocks`: the serving engine's (service/store/blocks.py): where memory blocks are made and kept."""
+    kv = MemoryKV(runtime, engine, store, settings.prefill_chunk_tokens, blocks)
+    return MemoryRegistry(definitions, kv, settings)
