@@ -21,8 +21,6 @@ def refuse_unsupported(body: Any) -> None:
     checks = [
         ("n", body.n != 1, "only one choice per request is generated"),
         ("logit_bias", bool(body.logit_bias), "token biases are not applied"),
-        ("response_format", (body.response_format or {}).get("type", "text") != "text",
-         "output is not constrained to JSON or a schema"),
         ("frequency_penalty", bool(body.frequency_penalty), "repetition penalties are not applied"),
         ("presence_penalty", bool(body.presence_penalty), "repetition penalties are not applied"),
         ("functions", body.functions is not None, "the legacy functions API is not served; use tools"),

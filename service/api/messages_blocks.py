@@ -24,15 +24,16 @@ JOINER = "\n\n"  # service/runtime/prompt.py BLOCK_JOINER: between the system tu
 
 
 def refuse_unsupported(body: MessagesRequest) -> None:
-    """Fields this service does not honour: refused (naming the field) rather than dropped."""
-    thinking = (body.thinking or {}).get("type", "disabled")
+    """Fields that would make the answer a lie: refused (naming the field) rather than dropped. Hints are accepted:
+    `thinking` (the model does not think before it answers: no thinking blocks) and `output_config.effort`."""
+    output = dict(body.output_config or {})
+    output.pop("effort", None)  # a hint
+    output.pop("format", None)  # a typed reply (service/api/structured.py)
     checks = [
-        ("top_k", body.top_k is not None, "sampling is greedy, or temperature/top_p"),
-        ("thinking", thinking != "disabled", "there is no extended thinking"),
         ("container", body.container is not None, "there is no code execution container"),
         ("mcp_servers", bool(body.mcp_servers), "MCP servers are not connected"),
         ("context_management", body.context_management is not None, "the context is not edited"),
-        ("output_config", bool(body.output_config), "output is not constrained to a schema or an effort"),
+        ("output_config", bool(output), f"only effort and format are read, not {sorted(output)}"),
         ("diagnostics", body.diagnostics is not None, "there are no cache diagnostics"),
     ]
     for name, bad, why in checks:

@@ -26,31 +26,20 @@ _INCLUDABLE = {"reasoning.encrypted_content"}  # no reasoning items are produced
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
-    """422 naming the first field set to something this service does not do (neutral values and defaults pass)."""
-    text, reasoning = body.text, body.reasoning
-    fmt = text.format.type if text is not None and text.format is not None else "text"
+    """422 naming the first field set to something that would make the answer a lie (neutral values and defaults
+    pass). Hints (verbosity, reasoning effort, service tier, truncation, cache retention, obfuscation) are accepted
+    and the Response says what was applied (ResponseHead): docs/API.md, "Fields: honoured, hints, refused"."""
     checks = [
         ("previous_response_id", body.previous_response_id is not None, STATELESS),
         ("store", body.store is True, f"{STATELESS}; send store: false, or leave it out"),
         ("conversation", body.conversation is not None, STATELESS),
         ("background", body.background is True, "responses are generated while the request waits"),
         ("max_tokens", body.max_tokens is not None, "this is the Responses API; the length is max_output_tokens"),
-        ("text.format", fmt != "text", "output is not constrained to JSON or a schema"),
-        ("text.verbosity", text is not None and text.verbosity not in (None, "medium"), "verbosity is not steered"),
-        ("reasoning", reasoning is not None and (reasoning.effort not in (None, "none") or reasoning.summary
-                                                 is not None or reasoning.generate_summary is not None),
-         "the model does not reason before it answers; leave it out or send effort none"),
         ("include", bool(set(body.include or []) - _INCLUDABLE), "only reasoning.encrypted_content (there is none)"),
-        ("truncation", body.truncation == "auto", "the conversation is never truncated; a too long one is a 413"),
-        ("service_tier", body.service_tier not in (None, "auto", "default"), "there is one service tier"),
-        ("stream_options.include_obfuscation", bool(body.stream_options and body.stream_options.include_obfuscation),
-         "stream events are not obfuscated"),
         ("top_logprobs", bool(body.top_logprobs), "log probabilities are not returned by this API"),
         ("max_tool_calls", body.max_tool_calls is not None, "tool calls are not capped; parallel_tool_calls false "
                                                             "makes at most one"),
         ("prompt", body.prompt is not None, "there are no stored prompts; send instructions and input"),
-        ("prompt_cache_retention", body.prompt_cache_retention is not None, "cache retention is the service's own"),
-        ("prompt_cache_options", body.prompt_cache_options is not None, "cache behaviour is the service's own"),
         ("context_management", body.context_management is not None, "the context is not compacted"),
         ("moderation", body.moderation is not None, "there is no moderation"),
         ("image", body.image is not None, "the model produces text only"),
@@ -152,6 +141,22 @@ def output_items(final: Final) -> list[dict]:
     return msg + [call_item(new_id("fc"), c) for c in calls]
 
 
+def text_config(body: ResponsesRequest) -> dict:
+    """`text` as applied: the format (the reply is kept to it), and the verbosity asked for (a hint: the model is
+    not steered by it)."""
+    text = body.text
+    fmt = text.format.model_dump() if text is not None and text.format is not None else {"type": "text"}
+    verbosity = text.verbosity if text is not None and text.verbosity is not None else "medium"
+    return {"format": fmt, "verbosity": verbosity}
+
+
+def reasoning(body: ResponsesRequest) -> dict | None:
+    """`reasoning` as applied: the effort asked for is echoed (a hint: the model does not reason before it answers,
+    so no reasoning items and no summary are produced)."""
+    r = body.reasoning
+    return None if r is None else {"effort": r.effort, "summary": None}
+
+
 class ResponseHead:
     """The Response object's fields that do not depend on the reply: id, model, and the request's settings."""
 
@@ -164,9 +169,11 @@ class ResponseHead:
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
-            "tools": [t.model_dump() for t in body.tools or []], "text": {"format": {"type": "text"}},
+            "tools": [t.model_dump() for t in body.tools or []], "text": text_config(body),
+            # hints, as applied: the conversation is never truncated (too long: a 413), one service tier
             "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
-            "reasoning": None, "service_tier": "default", "top_logprobs": 0, "user": body.user,
+            "reasoning": reasoning(body), "service_tier": "default", "top_logprobs": 0, "user": body.user,
+            "prompt_cache_retention": body.prompt_cache_retention,
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "error": None, "incomplete_details": None,
         }

@@ -19,6 +19,9 @@ def sample_token(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None
     """logits: [V] float32 -> token id."""
     if p.temperature <= 0:
         return int(torch.argmax(logits))
+    if 0 < p.top_k < logits.shape[-1]:  # the k-th largest logit and those above it stay (ties at it too)
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = torch.where(logits >= kth, logits, torch.full_like(logits, float("-inf")))
     # from the top logit down, and never divided by less than 1e-6: a temperature like 1e-40 overflowed to
     # inf/NaN (a 500); this close to 0, sampling is greedy up to exact ties anyway
     probs = torch.softmax((logits - logits.max()) / max(p.temperature, 1e-6), dim=-1)  # [V]
@@ -58,13 +61,24 @@ class TokenStream:
             self.gen.manual_seed(p.seed if p.seed is not None else torch.seed())
         self.first_top = top_logprobs(tokenizer, first_logits, p.logprobs) if p.logprobs and first_logits is not None \
             else None
+        self.grammar = None  # p.json_schema: built at the first sample (it needs the logits' width)
 
     @property
     def greedy(self) -> bool:
-        return self.p.temperature <= 0
+        """The batch's argmax is this request's next token (no sampling, no grammar)."""
+        return self.p.temperature <= 0 and self.p.json_schema is None
 
     def sample(self, logits: torch.Tensor) -> int:
-        return sample_token(logits, self.p, self.gen)
+        """logits: [V] float32 -> the next token (within the grammar, if the request has one)."""
+        if self.p.json_schema is None:
+            return sample_token(logits, self.p, self.gen)
+        if self.grammar is None:
+            from service.runtime.grammar import Grammar
+
+            self.grammar = Grammar(self.tok, self.eos_ids, self.p.json_schema, logits.shape[-1])
+        tok = sample_token(self.grammar.constrain(logits), self.p, self.gen)
+        self.grammar.take(tok)
+        return tok
 
     def _text(self) -> str:
         """The text of self.ids, re-decoding only a window of the last tokens instead of the whole reply each token.

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# How a reply under GenParams.json_schema is laid out: compact, no whitespace between tokens beyond ", " and ": " (a
+# model that may put any whitespace anywhere can fill max_tokens with it). llguidance's JSON options; on vLLM,
+# structured outputs' disable_any_whitespace.
+JSON_LAYOUT = {"whitespace_flexible": False}
+
+
 @dataclass
 class GenParams:
     max_tokens: int = 128
@@ -13,6 +19,8 @@ class GenParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # top-k of the first generated position
+    top_k: int = 0  # sample among the k most likely tokens only (0: all)
+    json_schema: str | None = None  # the reply is JSON valid under this schema (JSON text; service/api/structured.py)
 
 
 @dataclass

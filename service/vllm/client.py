@@ -79,6 +79,10 @@ class VllmClient:
                 "stream_options": {"include_usage": True}, "skip_special_tokens": True}
         if gen.seed is not None:
             body["seed"] = gen.seed
+        if gen.top_k:
+            body["top_k"] = gen.top_k
+        if gen.json_schema is not None:  # vLLM's structured outputs: the reply is JSON valid under the schema
+            body["structured_outputs"] = {"json": json.loads(gen.json_schema), "disable_any_whitespace": True}
         if gen.stop:
             body["stop"] = list(gen.stop)
         if gen.logprobs:

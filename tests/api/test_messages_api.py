@@ -106,7 +106,7 @@ def test_blocks_out_of_place_are_refused_naming_them(messages, where):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
      "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0"),
-    ({"top_k": 5}, "top_k"), ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"top_k": 0}, "top_k"), ({"output_config": {"task_budget": 100}}, "output_config"),
     ({"container": "c1"}, "container"), ({"mcp_servers": [{"type": "url", "url": "x", "name": "n"}]}, "mcp_servers"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
@@ -129,8 +129,21 @@ def test_unsupported_fields_are_refused_in_anthropics_shape(client, extra, field
 
 def test_the_sdk_raises_its_own_error_class_for_a_refusal(sdk):
     with pytest.raises(anthropic.UnprocessableEntityError) as e:
-        sdk.messages.create(model="m", max_tokens=4, messages=_USER, extra_body={"top_k": 3})
+        sdk.messages.create(model="m", max_tokens=4, messages=_USER, extra_body={"container": "c1"})
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_top_k_is_honoured_and_thinking_and_effort_are_hints(sdk):
+    """top_k restricts sampling (top_k 1 with temperature 1 is the greedy reply); thinking and output_config.effort
+    are hints: accepted, and the reply has no thinking blocks (the model does not think before it answers)."""
+    greedy = sdk.messages.create(model="m", max_tokens=6, messages=_USER)
+    for _ in range(2):  # unseeded sampling: only the one most likely token is ever left to draw
+        one = sdk.messages.create(model="m", max_tokens=6, messages=_USER, extra_body={"temperature": 1.0, "top_k": 1})
+        assert one.content[0].text == greedy.content[0].text
+    m = sdk.messages.create(model="m", max_tokens=3, messages=_USER,
+                            thinking={"type": "enabled", "budget_tokens": 1024},
+                            extra_body={"output_config": {"effort": "low"}})
+    assert m.content and all(b.type != "thinking" for b in m.content)
 
 
 def test_what_the_sdk_sends_is_accepted(sdk):

@@ -134,11 +134,10 @@ REFUSED = [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"max_tokens": 5}, "max_tokens"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tool_choice": "required"}, "tool_choice"),  # nothing offered to call
     ({"tools": [WEATHER, WEATHER]}, "tools.1.name"),
@@ -151,6 +150,43 @@ def test_unsupported_fields_are_refused_naming_them(client, extra, field):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request" and err["message"].startswith(field), err
+
+
+def test_hints_are_accepted_and_the_response_says_what_was_applied(sdk):
+    """A hint changes nothing a client may rely on: accepted, as vLLM and hosted APIs accept it, and echoed as
+    applied (the verbosity and effort asked for; no truncation, one service tier)."""
+    r = sdk.responses.create(input="hi", max_output_tokens=2, text={"verbosity": "low"},
+                             reasoning={"effort": "high", "summary": "auto"}, truncation="auto", service_tier="flex",
+                             prompt_cache_retention="24h", extra_body={"prompt_cache_options": {"mode": "auto"},
+                                                                       "stream_options": None})
+    assert r.status in ("completed", "incomplete") and r.text.verbosity == "low"
+    assert r.reasoning.effort == "high" and r.reasoning.summary is None  # no reasoning happened: nothing to sum up
+    assert r.truncation == "disabled" and r.service_tier == "default" and r.prompt_cache_retention == "24h"
+    assert not [o for o in r.output if o.type == "reasoning"]
+    plain = sdk.responses.create(input="hi", max_output_tokens=1)
+    assert plain.text.verbosity == "medium" and plain.reasoning is None
+
+
+def test_the_agents_sdks_default_model_settings_are_accepted(client):
+    """The OpenAI Agents SDK's own model sends text.verbosity and reasoning from ModelSettings: both hints."""
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
+    from openai import AsyncOpenAI
+    from openai.types.shared import Reasoning
+    import httpx
+
+    async def run() -> str:
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            oai = AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+            agent = Agent(name="a", instructions="Be brief.", model=OpenAIResponsesModel("m", oai),
+                          model_settings=ModelSettings(verbosity="low", reasoning=Reasoning(effort="low"),
+                                                       temperature=0.0, max_tokens=64,
+                                                       extra_body={"stop": [" ", "e", "a", "o", "t"]}))
+            out = await Runner.run(agent, "hi", run_config=RunConfig(tracing_disabled=True))
+            return out.final_output
+
+    assert isinstance(client.portal.call(run), str)
 
 
 def test_neutral_values_the_sdks_send_are_accepted(client):

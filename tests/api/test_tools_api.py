@@ -106,8 +106,9 @@ def test_native_template_renders_the_tools_and_forces_its_own_call_format(native
 @pytest.mark.parametrize("extra,field", [
     ({"n": 2}, "n"),
     ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}},
+     "response_format"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"functions": [{"name": "f"}]}, "functions"),

@@ -291,6 +291,30 @@ def test_responses_and_messages_compose_on_vllm_through_the_sdks(client, vllm):
     assert moved["local_compute"] < u.input_tokens + u.cache_creation_input_tokens + 8, (moved, u)
 
 
+def test_typed_replies_on_vllm_parse_and_validate(client):
+    """response_format and text.format go to vLLM's structured outputs (compact JSON): the SDKs' parse helpers get
+    their model back, with a composed skill in the prompt and with sampling on."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        ships_to_canada: bool
+        days: int = Field(ge=0, le=30)
+        method: Literal["standard", "express"]
+
+    oai = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    for seed in (1, 2):
+        r = oai.chat.completions.parse(model="x", messages=[{"role": "user", "content": "Do you ship to Canada?"}],
+                                       response_format=Answer, temperature=1.0, seed=seed, max_tokens=60,
+                                       extra_body={"skills": ["shipping"]})
+        assert isinstance(r.choices[0].message.parsed, Answer), r.choices[0].message.content
+    resp = oai.responses.parse(model="x", input="How fast is express?", text_format=Answer, max_output_tokens=60,
+                               extra_body={"skills": ["shipping"]})
+    assert isinstance(resp.output_parsed, Answer), resp.output_text
+
+
 def test_vllm_killed_mid_stream_is_a_typed_error_then_recovers(client, vllm):
     with client.stream("POST", "/v1/compose", json={"skills": ["returns"], "user": "Write a long poem about refunds.",
                                                      "max_tokens": 400, "stream": True}) as r:

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from service.api.chat_messages import conversation, refuse_unsupported
 from service.api.deps import Memories, Namespace, Pipeline, State
 from service.api.params import compose_params, gen_params, tools_params
+from service.api.structured import chat_schema, check_with_tools
 from service.api.schemas.common import ErrorResponse
 from service.api.schemas.chat import ChatRequest
 from service.api.sse import SSE_200, sse_response
@@ -27,6 +28,8 @@ async def _params(body: ChatRequest, ns: str, memories) -> ComposeParams:
     tools = tools_params(body.tools, body.tool_choice, body.parallel_tool_calls)
     k = (body.top_logprobs or 1) if body.logprobs else None
     gen = gen_params(body, k, body.max_completion_tokens or body.max_tokens or 256)
+    gen.json_schema = chat_schema(body.response_format)
+    check_with_tools("response_format", gen.json_schema, tools)
     return await compose_params(body, messages, gen, ns, memories, tools)
 
 

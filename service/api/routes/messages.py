@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from service.api import messages_blocks as mb
 from service.api.deps import Memories, Namespace, Pipeline, State
 from service.api.errors import anthropic_error, error_payload
+from service.api.structured import check_with_tools, messages_schema
 from service.api.params import compose_params, gen_params, tools_params
 from service.api.schemas.common import GenerationIn
 from service.api.schemas.messages import AnthropicError, MessageOut, MessagesRequest
@@ -42,7 +43,11 @@ async def _params(body: MessagesRequest, ns: str, memories) -> ComposeParams:
     tools, choice, parallel = mb.openai_tools(body)
     gen = gen_params(GenerationIn(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   stop=body.stop_sequences))
-    params = await compose_params(body, messages, gen, ns, memories, tools_params(tools, choice, parallel))
+    gen.top_k = body.top_k or 0
+    gen.json_schema = messages_schema((body.output_config or {}).get("format"))
+    tp = tools_params(tools, choice, parallel)
+    check_with_tools("output_config.format", gen.json_schema, tp)
+    params = await compose_params(body, messages, gen, ns, memories, tp)
     params.blocks = blocks
     return params
 

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 
 from service.api.deps import Memories, Namespace, Pipeline, State
 from service.api.params import compose_params, gen_params, tools_params
+from service.api.structured import check_with_tools, responses_schema
 from service.api.responses_items import (
     DEFAULT_MAX_OUTPUT_TOKENS, ResponseHead, call_item, conversation, extra, message_item, new_id, output_items,
     refuse_unsupported, text_part,
@@ -43,6 +44,9 @@ async def _params(body: ResponsesRequest, ns: str, memories) -> ComposeParams:
     messages = conversation(body)
     tools = _tools(body)
     gen = gen_params(body, None, body.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS)
+    fmt = body.text.format if body.text is not None else None
+    gen.json_schema = responses_schema(fmt.model_dump() if fmt is not None else None)
+    check_with_tools("text.format", gen.json_schema, tools)
     return await compose_params(body, messages, gen, ns, memories, tools)
 
 

@@ -138,9 +138,10 @@ class MessagesRequest(Composition):
     inference_geo: Annotated[str, StringConstraints(max_length=64)] | None = None
     user_profile_id: Annotated[str, StringConstraints(max_length=256)] | None = None
     workspace_id: Annotated[str, StringConstraints(max_length=256)] | None = None
+    top_k: int | None = Field(None, ge=1, description="sample among the k most likely tokens (with temperature > 0)")
+    thinking: dict[str, Any] | None = Field(None, description="a hint: the model does not think before it answers; "
+                                            "no thinking blocks are produced")
     # Anthropic's fields this service does not honour: accepted by the schema, refused with a 400 when used
-    top_k: int | None = None
-    thinking: dict[str, Any] | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
     context_management: Any = None

@@ -140,8 +140,11 @@ class ResponsesRequest(GenerationIn, Composition):
     text: TextConfig | None = None
     reasoning: ReasoningIn | None = None
     include: list[Annotated[str, StringConstraints(max_length=128)]] | None = Field(None, max_length=32)
+    # hints: accepted, and the Response says what was applied (docs/API.md)
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     stream_options: StreamOptionsIn | None = None
     background: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -150,8 +153,6 @@ class ResponsesRequest(GenerationIn, Composition):
     # OpenAI fields this service does not honour: refused with a 422 when set (to anything but null)
     conversation: Any = None
     prompt: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
     context_management: Any = None
     moderation: Any = None
     image: Any = None
