@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# How a reply under GenParams.json_schema is laid out: compact, no whitespace between tokens beyond ", " and ": " (a
-# model that may put any whitespace anywhere can fill max_tokens with it). llguidance's JSON options; on vLLM,
+# How a reply under GenParams.json_schema is laid out: compact, no whitespace between JSON tokens (a model that may
+# put any whitespace anywhere can fill max_tokens with it). llguidance's JSON options; on vLLM,
 # structured outputs' disable_any_whitespace.
 JSON_LAYOUT = {"whitespace_flexible": False}
 
