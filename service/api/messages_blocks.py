@@ -203,7 +203,12 @@ def usage(final: Final, block_tokens: list[int]) -> dict:
         created += t["n_tokens"]  # its copied tokens are already counted recomputed by the pipeline
     created += final.scheduled_tokens
     read = max(0, u["reused_tokens"] - fresh_copied)
-    created = min(created, u["prompt_tokens"] - read)
+    # what is written to the cache is what this request computed of the head (blocks live there): the conversation
+    # it computed is input, and a head read from an exact prefix (a repeated prompt) is read, not written
+    computed = u["prompt_tokens"] - read
+    head = u["prompt_tokens"] if final.head_tokens is None else final.head_tokens
+    conversation = max(0, u["prompt_tokens"] - max(head, u["prefix_tokens"]))  # computed after the head
+    created = min(created, computed - min(computed, conversation))
     return {"input_tokens": u["prompt_tokens"] - read - created, "output_tokens": u["completion_tokens"],
             "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
 

@@ -103,6 +103,8 @@ class Final:
     tools: dict | None = None  # the tools block: format, n_tokens, source, path, seam
     memory: dict | None = None  # the late blocks' report (LateMemory.report), when the request had them
     scheduled_tokens: int = 0  # tokens of automatic blocks this request queued for compiling (Prepared)
+    head_tokens: int | None = None  # the prompt's head (template opening, blocks, system text); after it, the
+    # conversation, where no block lies (None: not known, a session's turn)
 
 
 class ComposePipeline:
@@ -310,5 +312,6 @@ class ComposePipeline:
         tools = prep.tools.report(pre, in_prefix, mode) if prep.tools is not None else None
         late = prep.params.late  # its blocks are the last ones
         memory = late.report(pre.seams, len(prep.blocks) - len(late.blocks)) if late is not None else None
-        return Final(done, usage, timings, skills, prep.edits, tools, memory, prep.scheduled_tokens)
+        return Final(done, usage, timings, skills, prep.edits, tools, memory, prep.scheduled_tokens,
+                     prep.plan.head_end)
 

@@ -258,3 +258,27 @@ def test_stop_reason_names_the_stop_sequence_that_cut_the_text():
     assert mb.stop(final("stop", "ab", "ab"), ["END"], _Tok()) == ("end_turn", None)
     assert mb.stop(final("length", "ab", "ab"), ["END"], _Tok()) == ("max_tokens", None)
     assert mb.stop(final("tool_calls", "", ""), [], _Tok()) == ("tool_use", None)
+
+
+def test_input_tokens_are_what_was_computed_and_not_written_to_the_cache(tmp_path):
+    """Anthropic's input_tokens: the tokens neither read from nor written to the cache. A prompt whose every token
+    but the last was read from the automatic head (the same text sent before, marked another way) writes nothing,
+    even when its cache_control queues its system text as a new block: before, the queued block's tokens were
+    counted as written and input_tokens came out 0 with a token computed."""
+    policy = ("Returns policy. Items may be returned within 30 days of delivery with a receipt. Final-sale items, "
+              "gift cards and opened software cannot be returned. Refunds go to the original payment method.")
+    turn = [{"role": "user", "content": "Can I return a gift card?"}]
+    marked = {"model": "m", "max_tokens": 2, "messages": turn,
+              "system": [{"type": "text", "text": policy, "cache_control": {"type": "ephemeral"}},
+                         {"type": "text", "text": "Be brief."}]}
+    whole = {"model": "m", "max_tokens": 2, "messages": turn, "system": policy + "\n\nBe brief.",
+             "cache_control": {"type": "ephemeral"}}  # the same text; the whole system text is the block
+    with make_client(tmp_path, auto_reuse=True) as c:
+        c.portal.call(c.app.state.skillcache.wait_ready)
+        first = c.post("/v1/messages", json=marked).json()["usage"]
+        again = c.post("/v1/messages", json=whole).json()["usage"]
+    assert first["cache_creation_input_tokens"] > 40 and first["input_tokens"] > 0, first
+    total = sum(first[k] for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+    assert sum(again[k] for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")) == total
+    assert again["cache_read_input_tokens"] == total - 1, again  # all but the last token, which is computed
+    assert again["input_tokens"] == 1 and again["cache_creation_input_tokens"] == 0, again
