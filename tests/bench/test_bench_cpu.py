@@ -52,7 +52,10 @@ def test_a_busy_thread_gets_its_cpu_seconds_and_the_rest_count_in_the_total():
 
 def test_an_ended_thread_counts_in_the_total_only():
     """In a fresh process: in this one, threads earlier tests left running skew the kernel's scaled per-thread times
-    against the process total by more than the 0.3 s measured (seen with the serving engine's threads)."""
+    against the process total by more than the 0.3 s measured (seen with the serving engine's threads). The
+    process total is what holds the ended thread's time; how the kernel splits the rest among the live threads
+    (utime/stime are tick samples scaled to the runtime) moves under load: beside two CPU hogs the main thread,
+    asleep in join(), was once given all but 0.01 s of it. So the ended thread's 0.3 s is asserted on the total."""
     code = f"""
 import json, os, sys, threading, time
 sys.path.insert(0, {str(ROOT / "bench")!r})
@@ -71,5 +74,6 @@ print(json.dumps(cpu.by_thread(before, cpu.snapshot(pid), {{}})))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     split = json.loads(out.stdout)
-    assert "gone" not in split["by_thread_s"]
-    assert split["by_thread_s"]["ended"] >= 0.25
+    assert "gone" not in split["by_thread_s"] and "ended" in split["by_thread_s"]
+    assert split["total_s"] >= 0.25
+    assert abs(sum(split["by_thread_s"].values()) - split["total_s"]) <= 0.02  # every second is someone's
