@@ -100,24 +100,28 @@ def write_json(path: str | None, payload: dict) -> None:
         Path(path).write_text(json.dumps(payload, indent=2))
 
 
+async def sse_json(client, path: str, body: dict):
+    """POST `body` to a streaming endpoint; yields each server-sent event's JSON object ([DONE] ends the stream)."""
+    async with client.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def stream_compose(client, body: dict) -> dict:
     """POST a streaming /v1/compose: the first-token time (first delta, or done when nothing was generated), the
     deltas' text and the done event, as the client sees them."""
     t0, ttft, done, parts = time.perf_counter(), None, None, []
-    async with client.stream("POST", "/v1/compose", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ttft is None and ev["type"] in ("delta", "done"):
-                ttft = time.perf_counter() - t0
-            if ev["type"] == "delta":
-                parts.append(ev["text"])
-            elif ev["type"] == "done":
-                done = ev
-            elif ev["type"] == "error":
-                raise RuntimeError(ev)
+    async for ev in sse_json(client, "/v1/compose", body):
+        if ttft is None and ev["type"] in ("delta", "done"):
+            ttft = time.perf_counter() - t0
+        if ev["type"] == "delta":
+            parts.append(ev["text"])
+        elif ev["type"] == "done":
+            done = ev
+        elif ev["type"] == "error":
+            raise RuntimeError(ev)
     return {"ttft_s": ttft, "text": "".join(parts), "done": done, "t_end": time.perf_counter()}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from common import write_json
+from common import sse_json, write_json
 from peers_run import environment
 from service.devserver import ROOT, ServiceProcess
 
@@ -43,18 +43,13 @@ def body(i: int, n: int, typed: bool) -> dict:
 
 async def one(c: httpx.AsyncClient, payload: dict) -> dict:
     t0, first, n, text = time.perf_counter(), None, 0, []
-    async with c.stream("POST", "/v1/chat/completions", json=payload) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            for ch in obj.get("choices") or []:
-                if ch["delta"].get("content"):
-                    first = first or time.perf_counter()
-                    text.append(ch["delta"]["content"])
-            if obj.get("usage"):
-                n = obj["usage"]["completion_tokens"]
+    async for obj in sse_json(c, "/v1/chat/completions", payload):
+        for ch in obj.get("choices") or []:
+            if ch["delta"].get("content"):
+                first = first or time.perf_counter()
+                text.append(ch["delta"]["content"])
+        if obj.get("usage"):
+            n = obj["usage"]["completion_tokens"]
     end = time.perf_counter()
     return {"tokens": n, "ttft_s": (first or end) - t0, "end_s": end - t0, "text": "".join(text)}
 
