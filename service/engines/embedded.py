@@ -56,6 +56,10 @@ class EmbeddedEngine:
         box: dict = {}
         donate = await self.refiner.wanted(prep.params.namespace, prep.plan) if prep.mode == "full" else 0
         loop = asyncio.get_running_loop()
+        if prep.params.gen.json_schema is not None:  # a typed reply: the grammar's vocabulary, once, off the model
+            from service.runtime.grammar import vocab_ready  # thread (seconds: every stream would stall behind it)
+
+            await asyncio.to_thread(vocab_ready, self.rt)
 
         def on_prefilled(pre: "PrefillResult") -> None:  # on the engine, before the first token is sampled
             box["ttft_ms"] = (time.perf_counter() - prep.t_start) * 1e3

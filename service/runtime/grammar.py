@@ -4,11 +4,12 @@ Before each sampled token the grammar's mask of allowed tokens is applied to the
 token sampled is fed to the grammar. The state is the request's TokenStream's (service/runtime/decode.py), so it
 follows the sequence through chunked prefill, batching and preemption; the prompt (composed skills included) is not
 touched. End-of-sequence is allowed only where the JSON is complete. Why llguidance: docs/API.md, "Structured
-outputs"; the cost per token: bench/grammar.py.
+outputs"; the cost per token: bench/structured.py and bench/grammar_libs.py.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import llguidance
@@ -20,15 +21,24 @@ from service.errors import InternalError
 from service.runtime.params import JSON_LAYOUT
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {(eos, n_vocab): LLTokenizer}
+_BUILDING = threading.Lock()
 
 
 def ll_tokenizer(tokenizer, eos_ids: set[int], n_vocab: int) -> llguidance.LLTokenizer:
-    """llguidance's view of `tokenizer` (built once per tokenizer, end-of-sequence ids and logits width: ~0.1 s)."""
-    per = _TOKENIZERS.setdefault(tokenizer, {})
-    key = (tuple(sorted(eos_ids)), n_vocab)
-    if key not in per:
-        per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=sorted(eos_ids))
-    return per[key]
+    """llguidance's view of `tokenizer`, built once per tokenizer, end-of-sequence ids and logits width: 4 s for
+    SmolLM2's 49k ids on this CPU, so the embedded engine builds it off its model thread (`vocab_ready`) before a
+    typed request's first token; built twice, never (a second caller waits for the first)."""
+    with _BUILDING:
+        per = _TOKENIZERS.setdefault(tokenizer, {})
+        key = (tuple(sorted(eos_ids)), n_vocab)
+        if key not in per:
+            per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=sorted(eos_ids))
+        return per[key]
+
+
+def vocab_ready(rt) -> None:
+    """Build the model's llguidance tokenizer now (for a thread other than the model's)."""
+    ll_tokenizer(rt.tokenizer, rt.eos_ids, rt.model.config.vocab_size)
 
 
 def grammar_of(json_schema: str) -> str:
