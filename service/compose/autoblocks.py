@@ -16,13 +16,12 @@ Where a section's block is held and how it is compiled is the engine's (`Blocks`
 vLLM a BlockRef, held where vLLM saved it, compiled by vLLM at background priority. Where the engine's prefix cache
 keeps a system text sent whole (`blocks.exact_texts`: vLLM's), a system text this tenant has sent before as plain
 text, with nothing composed before it, stays text: vLLM's exact prefix cache serves that prompt exactly, and
-composing it would move it to an approximate head. Sections compose there where the exact
-cache misses: the same sections after another preamble or in another order.
+composing it would move it to an approximate head. Sections compose there where the exact cache misses: the same
+sections after another preamble or in another order.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from service.registry.registry import SkillRegistry
     from service.store.key import BlockKey
 
-log = logging.getLogger(__name__)
 _SEEN_MAX = 4096  # sections whose sightings are remembered (LRU)
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from service.store.key import BlockKey
     from service.store.tiered import TieredStore
 
+
 class StoreBlocks:
     """Blocks compiled on this process's serving engine, kept in the store's tiers."""
 

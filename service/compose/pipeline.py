@@ -138,7 +138,7 @@ class ComposePipeline:
         variant: a one-off text (a recompile edit's field values), kept in the memory tier only and not
         calibrated; registered skills' blocks go to every tier and are calibrated once."""
         key = self.registry.block_key(namespace, text)
-        block, source = await self._block(key, lambda: self.rt.prompts.encode_content(text), ephemeral=variant)
+        block, source = await self.blocks.get(key, lambda: self.rt.prompts.encode_content(text), ephemeral=variant)
         if not variant:
             self.guard.schedule_calibration(key, block)  # no-op once the block is calibrated
         return block, source
@@ -171,12 +171,9 @@ class ComposePipeline:
         least recently used first out; it is calibrated like a skill's (the calibration stays in memory too)."""
         digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in ids)).hexdigest()[:32]
         key = BlockKey(self.rt.fingerprint, LAYOUT_VERSION, namespace, f"tools-{digest}")
-        block, source = await self._block(key, lambda: list(ids), ephemeral=True)
+        block, source = await self.blocks.get(key, lambda: list(ids), ephemeral=True)
         self.guard.schedule_calibration(key, block, ephemeral=True)
         return block, source, key
-
-    async def _block(self, key: BlockKey, token_ids, ephemeral: bool):
-        return await self.blocks.get(key, token_ids, ephemeral)
 
     def check_request(self, skills: list, max_tokens: int) -> None:
         if len(skills) > self.settings.max_skills_per_request:

@@ -45,19 +45,19 @@ class VllmBlocks:
 
     async def behind(self, key: "BlockKey", ids: list[int], idle_only: Callable[[], bool]) -> Behind:
         """At vLLM's background priority, behind live requests (service/vllm/background.py decides when)."""
-        try:
-            await self.engine.compile_block(key.namespace, self._ref(ids))
-        except ServiceError as e:
-            log.warning("block not compiled (a later sighting queues it again): %s", e)
-            return "failed"
-        return "compiled"
+        return "compiled" if await self._compile(key.namespace, self._ref(ids)) else "failed"
 
     async def ahead(self, namespace: str, block: Any) -> None:
         """At background priority; vLLM down or failing: the block compiles on first use instead."""
+        await self._compile(namespace, block)
+
+    async def _compile(self, namespace: str, block: BlockRef) -> bool:
         try:
             await self.engine.compile_block(namespace, block)
         except ServiceError as e:
-            log.warning("block not compiled ahead (it is on first use): %s", e)
+            log.warning("block not compiled ahead (it is compiled on first use): %s", e)
+            return False
+        return True
 
 
 if TYPE_CHECKING:
