@@ -1,0 +1,115 @@
+"""A live request's first token on the vLLM engine while background work runs there: how long it waits.
+
+    python bench/vllm_background_live.py --json bench/out/vllm-background-live.json
+
+skillcache in front of vLLM (as make run-vllm starts them; vLLM in its fastest dtype), refinement after one use
+(SKILLCACHE_VLLM_REFINE_AFTER=1), so every new skill order queues a background prefill of its ~2.4k-token head.
+A live order (composed and refined first) is then sent:
+  idle    back to back with nothing in the background (--live requests)
+  during  --delay-s after a new order's response ended: its refinement has started (vLLM's running-request count
+          is read just before the live request goes), then the live request, greedy, 16 tokens
+Per --chunk arm (SKILLCACHE_VLLM_BACKGROUND_CHUNK: 0, the default, sends a refinement as one request; N splits it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from common import stream_compose, write_json
+from peers_run import environment, quiesce
+from peers_vllm import SKILLS, descendants
+from service.devserver import ROOT, ServiceProcess, free_port
+from service.vllm.launch import VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
+
+
+def running(vllm_url: str) -> float:
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text,
+                                                        re.M))
+
+
+async def arm(chunk: int, args, home: Path) -> dict:
+    from service.config import Settings
+
+    cmd = command(model_dir(Settings()), free_port(), home / "spans", dtype=args.dtype)
+    vllm = VllmProcess(cmd, vllm_env(2), home / f"vllm-{chunk}.log").start()
+    svc = None
+    try:
+        vllm.wait_ready(900)
+        env = {"SKILLCACHE_SKILLS_DIR": str(home / "skills"), "SKILLCACHE_ENGINE": "vllm",
+               "SKILLCACHE_VLLM_URL": vllm.url, "SKILLCACHE_VLLM_DTYPE": args.dtype,
+               "SKILLCACHE_VLLM_SPANS_DIR": str(home / "spans"), "SKILLCACHE_VLLM_REFINE_AFTER": "1",
+               "SKILLCACHE_VLLM_BACKGROUND_CHUNK": str(chunk), "SKILLCACHE_TORCH_THREADS": "1"}
+        svc = ServiceProcess(home / f"sc-{chunk}", env, threads=1).start()
+        svc.wait_ready(900)
+        pids = [q for p in (vllm.proc.pid, svc.proc.pid) for q in descendants(p)]
+        orders = list(itertools.permutations(SKILLS))
+        live = list(orders[0])
+
+        def body(order, user, n):
+            return {"skills": list(order), "user": user, "max_tokens": n, "temperature": 0.0, "stream": True}
+
+        async with httpx.AsyncClient(base_url=svc.url, timeout=600) as c:
+            await quiesce(pids, args.settle_s)
+            for i in range(2):  # composed, then refined in the background: the live order is an exact prefix
+                await stream_compose(c, body(live, f"Warm-up {i}.", 2))
+                await quiesce(pids, args.settle_s)
+            idle = []
+            for i in range(args.live):
+                r = await stream_compose(c, body(live, f"Live question {i}: can I return it?", 16))
+                idle.append(r["ttft_s"] * 1e3)
+            during = []
+            for i, order in enumerate(orders[1:1 + args.new]):
+                await stream_compose(c, body(order, f"New order {i}.", 4))  # its refinement is queued
+                await asyncio.sleep(args.delay_s)
+                n_running = running(vllm.url)
+                r = await stream_compose(c, body(live, f"Live during {i}: can I return it?", 16))
+                during.append({"ttft_ms": r["ttft_s"] * 1e3, "vllm_running_before": n_running})
+                await quiesce(pids, args.settle_s)
+        out = {"chunk": chunk, "idle_ttft_ms": idle, "during": during,
+               "idle_p50_ms": statistics.median(idle),
+               "during_p50_ms": statistics.median(d["ttft_ms"] for d in during),
+               "during_max_ms": max(d["ttft_ms"] for d in during)}
+        print(f"chunk {chunk}: live first token idle p50 {out['idle_p50_ms']:.0f} ms; during a refinement p50 "
+              f"{out['during_p50_ms']:.0f} ms, max {out['during_max_ms']:.0f} ms; vLLM running before: "
+              f"{[d['vllm_running_before'] for d in during]}", flush=True)
+        return out
+    finally:
+        if svc is not None:
+            svc.stop()
+        vllm.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
+    ap.add_argument("--live", type=int, default=5)
+    ap.add_argument("--new", type=int, default=5, help="new orders, each followed by a live request")
+    ap.add_argument("--delay-s", type=float, default=0.4, help="after a new order's response: its refinement runs")
+    ap.add_argument("--settle-s", type=float, default=20)
+    ap.add_argument("--dtype", default=fastest_dtype()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="skillcache-vllm-bg-live-"))
+    (home / "skills").mkdir()
+    for name in SKILLS:
+        shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
+    t0 = time.perf_counter()
+    out = {"environment": environment(), "args": vars(args),
+           "arms": [asyncio.run(arm(ch, args, home)) for ch in args.chunks]}
+    out["elapsed_s"] = time.perf_counter() - t0
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
