@@ -67,13 +67,13 @@ class Settings(BaseSettings):
     vllm_spans_dir: Path = Field(Path("/dev/shm/skillcache-spans"), description="where vLLM's connector keeps the K/V "
                                  "it saved (blocks in their canonical context, composition steps): a directory every "
                                  "vLLM rank on the host sees, a tmpfs by default (the connector's spans_dir)")
-    vllm_refine_after: int = Field(8, ge=0, description="engine vllm: a skill order composed this many times is "
-                                   "prefilled exactly by vLLM, at background priority, and served from vLLM's own "
-                                   "prefix cache from then on; 0: never")
-    vllm_background_chunk: int = Field(0, ge=0, description="engine vllm: new tokens per background prefill request "
-                                       "(compiles ahead, refinements, checks); 0: one request, so a refined head's "
-                                       "K/V round as vLLM's own prefill of the prompt; N: live requests wait behind "
-                                       "shorter steps")
+    vllm_refine_after: int = Field(8, ge=0, description="engine vllm: a skill order composed this many times goes "
+                                   "out exact on its next request (vLLM prefills the whole prompt, at live priority, "
+                                   "as vLLM alone would) and is served from vLLM's own prefix cache from then on; "
+                                   "0: never")
+    vllm_background_chunk: int = Field(256, ge=0, description="engine vllm: new tokens per background prefill "
+                                       "request (compiles ahead, calibrations, shadow checks): a live request that "
+                                       "arrives meanwhile waits behind one such step at most; 0: one request each")
     vllm_timeout_s: float = Field(300.0, gt=0, description="a whole vLLM request, connect to last token")
 
     # store

@@ -8,9 +8,11 @@ between blocks) are a short chain of vLLM steps whose K/V are saved too, and the
 this process. The salt `approx:<namespace>:<digest of the composition>` keeps composed K/V in vLLM's prefix cache for
 the same composition only: a repeat hits there, and no exact request, no other tenant and no other composition ever
 reads them.
-Refinement: once a composition has been served SKILLCACHE_VLLM_REFINE_AFTER times, vLLM prefills its head exactly
-at background priority (one request under `exact:<namespace>`); from then on the order goes out under the exact salt
-with no transfer, and vLLM's own prefix cache serves the exact head. mode=full: the exact salt, nothing loaded.
+Refinement: once a composition has been served composed SKILLCACHE_VLLM_REFINE_AFTER times, its next request goes
+out exact (under `exact:<namespace>`, nothing loaded): vLLM prefills the whole prompt as vLLM alone would, a live
+request at live priority, and no background prefill is ever sent for it (one vLLM cannot interrupt held a live
+request's first token 2.2 s: docs/BENCHMARKS.md); from then on the order goes out exact and vLLM's own prefix cache
+serves the head. mode=full: the exact salt, nothing loaded.
 Automatic reuse is vLLM's own prefix cache under the exact salt, reported as `auto_tokens`.
 Replicas (SKILLCACHE_VLLM_URL lists several): a composition goes to the first replica, in the rendezvous order of its
 digest (a request with no composed head: of its tenant and first tokens), that answers (service/vllm/client.py,
@@ -152,6 +154,10 @@ class VllmEngine:
             self.bg.ended()
             await events.aclose()
 
+    def due(self, digest: str) -> bool:
+        """The composition has been served composed SKILLCACHE_VLLM_REFINE_AFTER times: its next request refines."""
+        return bool(self.refine_after) and self._seen.get(digest, 0) >= self.refine_after
+
     @staticmethod
     def route(namespace: str, chain: Chain | None, ids: list[int]) -> str:
         """The routing key: the composition's digest, else the tenant and the prompt's first tokens (a session's
@@ -174,12 +180,15 @@ class VllmEngine:
         salt, t_head, transfer, n_step = exact_salt(ns), 0.0, None, 0
         after: list = []  # background work once the response is out: never on its clock
         pre = PrefillResult(None, None, plan.n_tokens, 0, plan.n_tokens, {"prefill_ms": 0.0})
-        chain = None
+        chain, refining = None, None  # refining: the digest whose head this request refines
         if planned is not None:
             chain, seams, blocks = planned
             pre.seams = dict(seams)
-            # else refined: vLLM's exact prefix, no transfer
-            if chain.n_head and not self.heads.refined(client, chain.digest):
+            # else refined (vLLM's exact prefix) or refining (vLLM prefills the whole prompt): exact, no transfer
+            unrefined = chain.n_head > 0 and not self.heads.refined(client, chain.digest)
+            if unrefined and self.due(chain.digest) and self.heads.claim(client, chain.digest):
+                refining = chain.digest
+            if unrefined and refining is None:
                 salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(self.heads.compile(client, name, ids, base, ns) for name, ids, base in blocks))
@@ -196,15 +205,16 @@ class VllmEngine:
             stream = client.stream(ids, prep.params.gen, salt, transfer, usage)
             first = await anext(stream)
         except BaseException:
+            if refining is not None:
+                self.heads.settle(client, refining, prefilled=False)
             if stream is not None:
                 await stream.aclose()
             raise
+        if refining is not None:
+            self.heads.settle(client, refining, prefilled=True)
         if transfer is not None and chain is not None:  # served from here on: counted once, on the replica that did
             touch(self._seen, chain.digest, self._seen.get(chain.digest, 0) + 1)
             metrics.VLLM_HEADS.labels("composed").inc()
-            if self.refine_after and self._seen[chain.digest] >= self.refine_after:
-                digest, head = chain.digest, plan.ids[:chain.n_head]
-                after.append(lambda: self.heads.refine(client, digest, head, ns))
             if self.guard is not None and prep.params.late is None:  # as on the embedded engine: a memory's is not
                 check = self.checks.shadow(client, ns, list(ids), salt, transfer)  # the skills' check
                 after.append(lambda: self.guard.maybe_shadow(prep.keys, check))

@@ -1,7 +1,7 @@
-"""Background work on vLLM: what runs behind live traffic and how (compiles ahead, refinements, calibrations, shadow
-checks). The one place that picks a vLLM request's priority and when background work may send it: in a quiet
-moment, no live request in flight nor ended within SKILLCACHE_BACKGROUND_IDLE_MS (measured: a one-request refinement
-sent between two back-to-back requests of one client held the second's first token 2.2 s; docs/BENCHMARKS.md)."""
+"""Background work on vLLM: what runs behind live traffic and how (compiles ahead, calibrations, shadow checks).
+The one place that picks a vLLM request's priority and when background work may send it: in a quiet moment, no live
+request in flight nor ended within SKILLCACHE_BACKGROUND_IDLE_MS (measured: a one-request prefill sent between two
+back-to-back requests of one client held the second's first token 2.2 s; docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from collections.abc import Coroutine
 from service.vllm.transfer import Save, Transfer
 
 LIVE, BACKGROUND = 0, 10  # vLLM's request priority (lower runs first; the server runs --scheduling-policy priority)
-# A background prefill (a compile ahead, a refinement, a check's full prefill) is sent only while no live request is
-# in flight: vLLM's priority orders its queue, but a step still batches a running background prefill with live
-# decodes. SKILLCACHE_VLLM_BACKGROUND_CHUNK > 0 splits it into requests of at most that many new tokens (each under one
-# salt hits vLLM's prefix cache for what the earlier ones computed): a live request waits behind a shorter step, but
-# K/V computed against a cached prefix differ in their rounding from vLLM's own prefill of the whole prompt (bf16:
-# greedy-32 of a head refined in chunks of 256 identical to vLLM alone's in 3/8 cases, in one request 7/8;
-# docs/BENCHMARKS.md). 0 (the default): one request.
+# A background prefill (a compile ahead, a calibration's or a shadow check's full prefill) is sent only while no live
+# request is in flight, and in requests of at most SKILLCACHE_VLLM_BACKGROUND_CHUNK new tokens (each under one salt
+# hits vLLM's prefix cache for what the earlier ones computed): vLLM's priority orders its queue, but a step it has
+# begun runs to its end, so a live request that arrives during a background prefill waits for one step of it (bf16,
+# 2.4k tokens in one request: 2.2 s, 9x an idle first token; in steps of 256: 1.5x; docs/BENCHMARKS.md). Refinement
+# sends no background prefill: the order's next request goes out exact (service/engines/vllm.py), since K/V computed
+# against a cached prefix round differently from vLLM's own prefill of the whole prompt (a head refined in chunks of
+# 256: greedy-32 identical to vLLM alone's in 3/8 cases, in one request 7/8).
 IDLE_WAIT_S = 30.0  # at most this long behind live traffic; then it goes anyway (a live count that never drains)
 
 
@@ -37,7 +38,7 @@ class Background:
     ended within `idle_s` (a client's next request comes right after a response: it must not find vLLM busy with a
     background prefill it cannot interrupt)."""
 
-    def __init__(self, chunk: int = 0, idle_s: float = 0.0) -> None:
+    def __init__(self, chunk: int = 256, idle_s: float = 0.0) -> None:
         self.chunk = chunk  # new tokens per background request (0: the whole prefill in one)
         self.idle_s = idle_s  # SKILLCACHE_BACKGROUND_IDLE_MS, as on the embedded engine
         self.live = 0  # live requests in flight (their composition started, their stream not yet closed)

@@ -8,17 +8,15 @@ and the name; a refined head is always per replica (vLLM's prefix cache is its o
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import OrderedDict
 
 from service import metrics
 from service.kv.plan import plan_ops
-from service.vllm.background import LIVE, Background, exact_salt
+from service.vllm.background import LIVE, Background
 from service.vllm.chain import Chain, block_name, chain_digest, head_of
 from service.vllm.transfer import Save, Transfer
 
-log = logging.getLogger(__name__)
 KNOWN = 4096  # compositions and saved blocks remembered (LRU)
 
 
@@ -127,22 +125,20 @@ class VllmHeads:
         """vLLM on this replica has prefilled the composition's exact head: it goes out exact, nothing loaded."""
         return f"{self.pool.name(client)}|{digest}" in self.exact
 
-    def refine(self, client, digest: str, head_ids: list[int], namespace: str) -> None:
-        """vLLM prefills the exact head at background priority; the order switches to it when that is done (on
-        that replica: vLLM's prefix cache is its own)."""
+    def claim(self, client, digest: str) -> bool:
+        """This request refines the composition's head on its replica: it goes out exact and vLLM prefills the whole
+        prompt, as vLLM alone would (one claim in flight per replica and head; the others stay composed meanwhile)."""
         key = f"{self.pool.name(client)}|{digest}"
         if key in self._refining:
-            return
+            return False
         self._refining.add(key)
+        return True
 
-        async def run() -> None:
-            try:
-                await self.bg.prefill(client, head_ids, exact_salt(namespace))
-                touch(self.exact, key)
-                metrics.VLLM_HEADS.labels("refined").inc()
-            except Exception as e:  # noqa: BLE001 - a background refinement that fails leaves the order composed
-                log.warning("refinement of a head on vLLM failed: %s", e)
-            finally:
-                self._refining.discard(key)
-
-        self.bg.spawn(run())
+    def settle(self, client, digest: str, prefilled: bool) -> None:
+        """The claiming request's prefill is done (its first token came: vLLM's prefix cache holds the exact head
+        under the exact salt) or failed (the order stays composed; a later request claims it again)."""
+        key = f"{self.pool.name(client)}|{digest}"
+        self._refining.discard(key)
+        if prefilled:
+            touch(self.exact, key)
+            metrics.VLLM_HEADS.labels("refined").inc()

@@ -104,19 +104,6 @@ def compose(c, skills, user="What now?", **kw):
     return r.json()
 
 
-def refined(c, fake, timeout_s: float = 10.0) -> list[dict]:
-    """The exact-salt prefills sent, once there are some: background work goes in a quiet moment, a little after
-    the last live request ended (SKILLCACHE_BACKGROUND_IDLE_MS)."""
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not (out := [x for x in fake.sent if x["salt"] == "exact:default" and x.get("prefill")]):
-        assert time.monotonic() < deadline, "no refinement sent"
-        c.portal.call(asyncio.sleep, 0.02)
-    return out
-
-
 def count(outcome: str) -> float:
     return metrics.VLLM_HEADS.labels(outcome)._value.get()
 
@@ -186,70 +173,118 @@ def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
     assert approx_salt("other", "d") != approx_salt("default", "d") and exact_salt("other") != exact_salt("default")
 
 
-def test_refinement_prefills_the_exact_head_on_vllm_at_background_priority_then_sends_no_head(env):
+def exact_live(fake) -> list[dict]:
+    """The live requests sent under the exact salt with nothing to load: refining and refined requests."""
+    return [x for x in fake.sent if x["salt"] == "exact:default" and not x.get("prefill") and x["transfer"] is None]
+
+
+def test_refinement_sends_the_next_request_of_an_order_exact_and_no_background_prefill(env):
+    """An order composed SKILLCACHE_VLLM_REFINE_AFTER times: its next request goes out exact (vLLM prefills the whole
+    prompt, at live priority, as vLLM alone would) and so do the ones after it, from vLLM's prefix cache; no
+    background prefill is ever sent for it (one vLLM cannot interrupt held a live first token 2.2 s)."""
     c, fake, runner, _ = env
     runner.refine_after = 1
-    runner.bg.chunk = 64  # SKILLCACHE_VLLM_BACKGROUND_CHUNK
-    compose(c, ["b", "a"])
-    composed = [x for x in fake.sent if not x.get("prefill")][-1]
-    refined(c, fake)
-    c.portal.call(__import__("asyncio").sleep, 0.3)  # every chunk sent
-    chunks = [x for x in fake.sent if x["salt"] == "exact:default"]  # after the response, under the exact salt
-    assert all(x.get("prefill") and x["transfer"] is None and x["priority"] > 0 for x in chunks)  # behind live work
-    # in chunks of at most 64 new tokens (a step of vLLM's never batches a long background prefill with live ones)
-    ends = [len(x["ids"]) for x in chunks]
-    assert len(chunks) > 1 and ends == sorted(ends) and max(b - a for a, b in zip([0] + ends, ends)) <= 64
-    assert ends[-1] == n_head(composed["transfer"]) and composed["ids"][:ends[-1]] == chunks[-1]["ids"]
-    out = compose(c, ["b", "a"], "a new turn")
+    before = count("refined")
+    first = compose(c, ["b", "a"])
+    assert fake.sent[-1]["salt"].startswith("approx:") and first["usage"]["composed_tokens"] > 0
+    assert not exact_live(fake) and count("refined") == before
+    second = compose(c, ["b", "a"], "a new turn")
+    (refining,) = exact_live(fake)
+    assert refining is fake.sent[-1] and second["usage"]["composed_tokens"] == 0 and count("refined") == before + 1
+    compose(c, ["b", "a"], "a third turn")
     assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
-    assert out["usage"]["prefix_tokens"] == 0  # the fake's prefix cache is empty: what vLLM reports is what counts
-
-
-def test_by_default_a_refinement_is_one_request_as_vllm_alone_would_prefill_the_prompt(env):
-    c, fake, runner, _ = env
-    runner.refine_after = 1
-    assert runner.bg.chunk == 0
-    compose(c, ["b", "a"])
-    composed = [x for x in fake.sent if not x.get("prefill")][-1]
-    (refine,) = refined(c, fake)
-    assert refine["priority"] > 0 and refine["ids"] == composed["ids"][:n_head(composed["transfer"])]
-
-
-def test_background_prefills_wait_while_a_live_request_is_in_flight(env):
-    c, fake, runner, _ = env
-    runner.bg.live = 1  # a live stream in flight
-    runner.refine_after = 1
-    compose(c, ["a", "b"], "first")
-    c.portal.call(__import__("asyncio").sleep, 0.3)
-    assert not [x for x in fake.sent if x["salt"] == "exact:default"]  # the refinement waits
-    runner.bg.live = 0
-    c.portal.call(__import__("asyncio").sleep, 0.3)
-    assert [x for x in fake.sent if x["salt"] == "exact:default"]
-
-
-def test_background_prefills_wait_for_a_quiet_moment_after_a_live_request_ends(env):
-    """A client's next request comes right after a response: a refinement (one prefill vLLM cannot interrupt) sent
-    in that moment would hold its first token (bench/peers_vllm.py arm c: 2.2 s), so it waits SKILLCACHE_BACKGROUND_
-    IDLE_MS after the last live request ended."""
-    c, fake, runner, _ = env
-    assert runner.bg.idle_s == 0.1  # the setting's default, as on the embedded engine
-    runner.refine_after = 1
-    runner.bg.idle_s = 3600.0  # the moment after the response never ends here ...
-    compose(c, ["a", "b"], "first")
-    c.portal.call(__import__("asyncio").sleep, 0.3)
-    assert not [x for x in fake.sent if x["salt"] == "exact:default"]
-    runner.bg.idle_s = 0.0  # ... until it does
-    assert refined(c, fake)
+    c.portal.call(__import__("asyncio").sleep, 0.3)  # a quiet moment: background work would go now
+    assert not [x for x in fake.sent if x["salt"] == "exact:default" and x.get("prefill")]
+    compose(c, ["a", "b"])  # another order: composed, its own count
+    assert fake.sent[-1]["salt"].startswith("approx:")
 
 
 def test_refinement_waits_for_an_order_seen_often_by_default(env):
     c, fake, runner, _ = env
     assert runner.refine_after == 8
-    for i in range(7):
+    for i in range(8):
         compose(c, ["a", "b"], f"turn {i}")
-    assert not [x for x in fake.sent if x["salt"] == "exact:default"]
-    compose(c, ["a", "b"], "turn 7")
-    assert refined(c, fake)[-1]["priority"] > 0
+    assert not exact_live(fake)
+    compose(c, ["a", "b"], "turn 8")
+    assert exact_live(fake) == [fake.sent[-1]]
+
+
+def test_a_refining_request_that_fails_leaves_the_order_composed_and_the_next_one_refines(env):
+    c, fake, runner, _ = env
+    runner.refine_after = 1
+    compose(c, ["a", "b"])
+    fake.up = False
+    r = c.post("/v1/compose", json={"skills": ["a", "b"], "user": "down?", "max_tokens": 4})
+    assert r.status_code == 503 and not runner.heads.exact
+    fake.up = True
+    compose(c, ["a", "b"], "up again")
+    assert exact_live(fake)[-1] is fake.sent[-1] and runner.heads.exact
+
+
+def wait_sent(c, fake, n: int, timeout_s: float = 10.0, saves: int = 1) -> list[dict]:
+    """What was sent after the first n requests, once it has `saves` requests that save (a compile's last)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for x in fake.sent[n:] if x["transfer"] and x.get("prefill")) < saves:
+        assert time.monotonic() < deadline, "nothing saved was sent"
+        c.portal.call(asyncio.sleep, 0.02)
+    return fake.sent[n:]
+
+
+def compile_ahead(c, fake, name: str, text: str, timeout_s: float = 10.0) -> list[dict]:
+    """Registers a skill; the prefills of its compile ahead once the last (the one that saves) is sent: they wait for
+    a quiet moment."""
+    wait_sent(c, fake, 0, saves=2)  # the fixture's skills' compiles ahead
+    n = len(fake.sent)
+    assert c.post("/v1/skills", json={"name": name, "text": text}).status_code in (200, 201)
+    out = wait_sent(c, fake, n, timeout_s)
+    assert all(x.get("prefill") and x["salt"] == "compile:default" for x in out)
+    return out
+
+
+def test_background_prefills_go_in_steps_of_256_new_tokens_by_default(env):
+    c, fake, runner, _ = env
+    assert runner.bg.chunk == 256  # SKILLCACHE_VLLM_BACKGROUND_CHUNK's default
+    runner.bg.chunk = 64
+    steps = compile_ahead(c, fake, "long", TEXT_A * 4)
+    ends = [len(x["ids"]) for x in steps]
+    assert len(steps) > 1 and ends == sorted(ends) and max(b - a for a, b in zip([0] + ends, ends)) <= 64
+    assert all(x["priority"] > 0 for x in steps)  # behind live work
+    *early, last = steps  # the connector saves the whole block from the last request's blocks
+    assert not any(x["transfer"] for x in early) and last["transfer"]["skillcache"]["save"][1:] == [0, ends[-1]]
+
+
+def test_background_prefills_wait_while_a_live_request_is_in_flight(env):
+    c, fake, runner, _ = env
+    wait_sent(c, fake, 0, saves=2)  # the fixture's skills' compiles ahead
+    runner.bg.live = 1  # a live stream in flight
+    n = len(fake.sent)
+    done = c.portal.start_task_soon(c.app.state.skillcache.pipeline.compile_skill, "default", TEXT_B + " waits")
+    c.portal.call(__import__("asyncio").sleep, 0.3)
+    assert len(fake.sent) == n and not done.done()  # the compile ahead waits
+    runner.bg.live = 0
+    done.result(timeout=10)
+    assert wait_sent(c, fake, n)
+
+
+def test_background_prefills_wait_for_a_quiet_moment_after_a_live_request_ends(env):
+    """A client's next request comes right after a response: a background prefill (one vLLM cannot interrupt) sent
+    in that moment would hold its first token (bench/peers_vllm.py arm c: 2.2 s), so it waits SKILLCACHE_BACKGROUND_
+    IDLE_MS after the last live request ended."""
+    c, fake, runner, _ = env
+    assert runner.bg.idle_s == 0.1  # the setting's default, as on the embedded engine
+    runner.bg.idle_s = 3600.0  # the moment after the response never ends here ...
+    wait_sent(c, fake, 0, saves=2)  # the fixture's skills' compiles ahead
+    compose(c, ["a", "b"], "first")
+    n = len(fake.sent)
+    done = c.portal.start_task_soon(c.app.state.skillcache.pipeline.compile_skill, "default", TEXT_B + " waits")
+    c.portal.call(__import__("asyncio").sleep, 0.3)
+    assert len(fake.sent) == n and not done.done()
+    runner.bg.idle_s = 0.0  # ... until it does
+    done.result(timeout=10)
+    assert wait_sent(c, fake, n)
 
 
 def test_a_head_vllm_did_not_load_is_counted_and_reported_as_computed(env):
@@ -382,15 +417,17 @@ def test_past_a_refined_head_vllms_prefix_cache_counts_as_auto_and_the_head_as_p
     c, fake, runner, _ = env
     fake.prefix_cache = True
     runner.refine_after = 1
-    compose(c, ["a", "b"], "the same turn")  # composed; then vLLM prefills the exact head
-    h = len(refined(c, fake)[-1]["ids"])
-    out = compose(c, ["a", "b"], "the same turn")  # exact salt, no head: vLLM's cache holds the head only
+    composed = compose(c, ["a", "b"], "the same turn")  # composed; its next request refines
+    h = n_head(fake.sent[-1]["transfer"])
+    out = compose(c, ["a", "b"], "the same turn")  # exact salt, no head: vLLM computes the whole prompt
     assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
-    assert out["usage"]["prefix_tokens"] == h // FakeVllm.BLOCK * FakeVllm.BLOCK
-    assert out["usage"]["auto_tokens"] == 0
+    assert out["usage"]["prefix_tokens"] == out["usage"]["auto_tokens"] == 0 and composed["text"] == out["text"]
     again = compose(c, ["a", "b"], "the same turn")  # now the whole prompt, but its last partial block
     u = again["usage"]
     assert u["prefix_tokens"] > h and u["auto_tokens"] == u["prefix_tokens"] - h
+    other = compose(c, ["a", "b"], "another turn altogether")["usage"]  # the head and what follows it alike
+    assert other["prefix_tokens"] >= h // FakeVllm.BLOCK * FakeVllm.BLOCK
+    assert other["auto_tokens"] == max(0, other["prefix_tokens"] - h)
 
 
 def test_sections_compose_on_vllm_where_its_exact_prefix_cache_misses_and_a_repeat_stays_exact(tmp_path):
