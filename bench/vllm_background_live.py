@@ -1,14 +1,18 @@
-"""A live request's first token on the vLLM engine while background work runs there: how long it waits.
+"""A live request's first token on the vLLM engine while background work runs there: how long it waits; and what
+a refining request costs.
 
     python bench/vllm_background_live.py --json bench/out/vllm-background-live.json
 
 skillcache in front of vLLM (as make run-vllm starts them; vLLM in its fastest dtype), refinement after one use
-(SKILLCACHE_VLLM_REFINE_AFTER=1), so every new skill order queues a background prefill of its ~2.4k-token head.
-A live order (composed and refined first) is then sent:
-  idle    back to back with nothing in the background (--live requests)
-  during  --delay-s after a new order's response ended: its refinement has started (vLLM's running-request count
-          is read just before the live request goes), then the live request, greedy, 16 tokens
-Per --chunk arm (SKILLCACHE_VLLM_BACKGROUND_CHUNK: 0, the default, sends a refinement as one request; N splits it).
+(SKILLCACHE_VLLM_REFINE_AFTER=1). A live order (composed, then refined: its second request goes out exact) is sent:
+  idle     back to back with nothing in the background (--live requests)
+  during   --delay-s after a new skill of ~2.4k tokens (the three skills' texts under a new heading) was registered:
+           its compile ahead (vLLM's prefill of the block, at background priority) has started (vLLM's
+           running-request count is read just before the live request goes), then the live request, greedy, 16 tokens
+  refining (first arm only) new orders: two sent once with mode=full (vLLM computes the whole prompt, as vLLM alone
+           would a new prompt), three sent twice: composed, then the refining request (exact: vLLM computes the whole
+           prompt at live priority); first tokens of each
+Per --chunk arm (SKILLCACHE_VLLM_BACKGROUND_CHUNK: new tokens per background request; 0: one request).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def running(vllm_url: str) -> float:
                                                         re.M))
 
 
-async def arm(chunk: int, args, home: Path) -> dict:
+async def arm(chunk: int, args, home: Path, first: bool) -> dict:
     from service.config import Settings
 
     cmd = command(model_dir(Settings()), free_port(), home / "spans", dtype=args.dtype)
@@ -61,26 +65,47 @@ async def arm(chunk: int, args, home: Path) -> dict:
 
         async with httpx.AsyncClient(base_url=svc.url, timeout=600) as c:
             await quiesce(pids, args.settle_s)
-            for i in range(2):  # composed, then refined in the background: the live order is an exact prefix
+            for i in range(3):  # composed, then refining (exact, whole prompt), then exact from vLLM's prefix cache
                 await stream_compose(c, body(live, f"Warm-up {i}.", 2))
                 await quiesce(pids, args.settle_s)
             idle = []
             for i in range(args.live):
                 r = await stream_compose(c, body(live, f"Live question {i}: can I return it?", 16))
                 idle.append(r["ttft_s"] * 1e3)
+            big = "\n\n".join((ROOT / "skills" / f"{n}.md").read_text() for n in SKILLS)
             during = []
-            for i, order in enumerate(orders[1:1 + args.new]):
-                await stream_compose(c, body(order, f"New order {i}.", 4))  # its refinement is queued
+            for i in range(args.new):  # a new skill: its compile ahead runs in the background
+                reg = asyncio.create_task(c.post("/v1/skills", json={"name": f"big-{chunk}-{i}",
+                                                                       "text": f"# Handbook, edition {i}\n\n{big}"}))
                 await asyncio.sleep(args.delay_s)
                 n_running = running(vllm.url)
                 r = await stream_compose(c, body(live, f"Live during {i}: can I return it?", 16))
                 during.append({"ttft_ms": r["ttft_s"] * 1e3, "vllm_running_before": n_running})
+                assert (await reg).status_code in (200, 201)
                 await quiesce(pids, args.settle_s)
-        out = {"chunk": chunk, "idle_ttft_ms": idle, "during": during,
+            refining = {}
+            if first:
+                full, composed, refine = [], [], []
+                for i, order in enumerate(orders[1:3]):  # vLLM computes the whole new prompt, as alone
+                    r = await stream_compose(c, {**body(order, f"New order {i}.", 4), "mode": "full"})
+                    full.append(r["ttft_s"] * 1e3)
+                    await quiesce(pids, args.settle_s)
+                for i, order in enumerate(orders[3:6]):
+                    r = await stream_compose(c, body(order, f"New order {i}.", 4))
+                    composed.append(r["ttft_s"] * 1e3)
+                    await quiesce(pids, args.settle_s)
+                    r = await stream_compose(c, body(order, f"Again {i}.", 4))  # the refining request
+                    refine.append(r["ttft_s"] * 1e3)
+                    await quiesce(pids, args.settle_s)
+                refining = {"full_ttft_ms": full, "composed_ttft_ms": composed, "refining_ttft_ms": refine}
+                print(f"new orders: full (as vLLM alone) {[round(x) for x in full]} ms; composed "
+                      f"{[round(x) for x in composed]} ms; the refining request {[round(x) for x in refine]} ms",
+                      flush=True)
+        out = {"chunk": chunk, "idle_ttft_ms": idle, "during": during, "refining": refining,
                "idle_p50_ms": statistics.median(idle),
                "during_p50_ms": statistics.median(d["ttft_ms"] for d in during),
                "during_max_ms": max(d["ttft_ms"] for d in during)}
-        print(f"chunk {chunk}: live first token idle p50 {out['idle_p50_ms']:.0f} ms; during a refinement p50 "
+        print(f"chunk {chunk}: live first token idle p50 {out['idle_p50_ms']:.0f} ms; during a compile ahead p50 "
               f"{out['during_p50_ms']:.0f} ms, max {out['during_max_ms']:.0f} ms; vLLM running before: "
               f"{[d['vllm_running_before'] for d in during]}", flush=True)
         return out
@@ -92,10 +117,10 @@ async def arm(chunk: int, args, home: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[256, 0])
     ap.add_argument("--live", type=int, default=5)
-    ap.add_argument("--new", type=int, default=5, help="new orders, each followed by a live request")
-    ap.add_argument("--delay-s", type=float, default=0.4, help="after a new order's response: its refinement runs")
+    ap.add_argument("--new", type=int, default=5, help="new skills registered, each followed by a live request")
+    ap.add_argument("--delay-s", type=float, default=0.4, help="after a registration began: its compile runs")
     ap.add_argument("--settle-s", type=float, default=20)
     ap.add_argument("--dtype", default=fastest_dtype()[0])
     ap.add_argument("--json")
@@ -106,7 +131,7 @@ def main() -> None:
         shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
     t0 = time.perf_counter()
     out = {"environment": environment(), "args": vars(args),
-           "arms": [asyncio.run(arm(ch, args, home)) for ch in args.chunks]}
+           "arms": [asyncio.run(arm(ch, args, home, i == 0)) for i, ch in enumerate(args.chunks)]}
     out["elapsed_s"] = time.perf_counter() - t0
     write_json(args.json, out)
 
