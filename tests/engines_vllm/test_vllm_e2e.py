@@ -9,6 +9,8 @@ vLLM mid-stream and starts it again.
 
 from __future__ import annotations
 
+import json
+
 import re
 import signal
 import time
@@ -33,6 +35,10 @@ SKILL_A = ("Returns policy. Items may be returned within 30 days of delivery wit
 SKILL_B = ("Shipping. Standard shipping takes 3-5 business days and is free over $50. Express takes 1-2 days and "
            "costs $15. We ship to the US and Canada only. Orders placed before 2 pm ship the same day. A tracking "
            "number is emailed when the order ships.")
+
+SKILL_C = ("Gift cards. Gift cards are sold in amounts from $10 to $500 and never expire. They can be used online and "
+           "in stores, cannot be exchanged for cash, and a lost card is replaced once its number is confirmed. "
+           "Balances are checked on the account page or by calling support.")
 
 
 @pytest.fixture(scope="module")
@@ -156,16 +162,19 @@ def test_refinement_moves_a_repeated_order_to_vllms_exact_prefix(client, vllm):
     """An order composed SKILLCACHE_VLLM_REFINE_AFTER times goes out exact on its next request (vLLM prefills the
     whole prompt as it would alone); the one after reads the exact head from vLLM's prefix cache, nothing loaded."""
     runner = client.app.state.skillcache.pipeline.runner
+    # an order no other test composes: vLLM's prefix cache holds no head of it yet, so the first request loads it
+    assert client.post("/v1/skills", json={"name": "gift-cards", "text": SKILL_C}).status_code in (200, 201)
+    order = ["gift-cards", "returns"]
     runner.refine_after = 1
     try:
-        first = compose(client, ["shipping", "returns"], "Which countries do you ship to?")
-        assert first["usage"]["composed_tokens"] > 100 and not runner.heads.exact
+        first = compose(client, order, "Which countries do you ship to?")
+        assert first["usage"]["composed_tokens"] > 100 and not runner.heads.exact, first["usage"]
         before = sources(vllm)
-        refining = compose(client, ["shipping", "returns"], "Do you ship on Sundays?")["usage"]
+        refining = compose(client, order, "Do you ship on Sundays?")["usage"]
         moved = delta(before, sources(vllm))
         assert refining["composed_tokens"] == 0 and moved["external_kv_transfer"] == 0 and runner.heads.exact
         before = sources(vllm)
-        u = compose(client, ["shipping", "returns"], "Are gift cards returnable?")["usage"]
+        u = compose(client, order, "Are gift cards returnable?")["usage"]
         moved = delta(before, sources(vllm))
         assert u["composed_tokens"] == 0 and u["prefix_tokens"] == moved["local_cache_hit"] >= 128, (u, moved)
         assert moved["external_kv_transfer"] == 0
@@ -245,15 +254,29 @@ def test_a_session_keeps_its_conversation_in_vllms_prefix_cache(client, vllm):
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
 
 
-def test_required_among_several_tools_is_a_call_of_one_of_them(client, vllm):
-    tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
-        "type": "object", "properties": {"order_id": {"type": "string"}}}}}
-        for n, d in (("track_order", "Where an order is"), ("refund_order", "Refund an order"))]
+def test_required_among_several_tools_is_a_call_of_one_of_them_under_its_schema(client, vllm):
+    """vLLM picks the tool (structured output `choice`), then writes its arguments under the tool's parameters
+    schema (structured output `json`): they parse and validate."""
+    import jsonschema
+
+    order_id = {"type": "string", "pattern": "^[0-9]{4}$"}
+    schemas = {"track_order": {"type": "object", "properties": {"order_id": order_id}, "required": ["order_id"],
+                               "additionalProperties": False},
+               "refund_order": {"type": "object", "properties": {"order_id": order_id, "reason": {
+                   "enum": ["damaged", "late", "unwanted"]}}, "required": ["order_id", "reason"],
+                   "additionalProperties": False}}
+    tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": schemas[n]}}
+             for n, d in (("track_order", "Where an order is"), ("refund_order", "Refund an order"))]
     out = compose(client, ["returns"], "Refund order 1234, please.", tools=tools, tool_choice="required",
                   max_tokens=64)
-    # the reply opens with a call of the chosen tool; the model may go on to more calls until max_tokens
-    assert out["finish_reason"] in ("tool_calls", "length") and len(out["tool_calls"]) >= 1, out
-    assert {c["function"]["name"] for c in out["tool_calls"]} <= {"track_order", "refund_order"}
+    assert out["finish_reason"] == "tool_calls" and len(out["tool_calls"]) == 1, out
+    call = out["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    named = compose(client, ["returns"], "Where is my order?", tools=tools, max_tokens=64,
+                    tool_choice={"type": "function", "function": {"name": "refund_order"}})
+    (call,) = [c["function"] for c in named["tool_calls"]]
+    assert call["name"] == "refund_order"
+    jsonschema.validate(json.loads(call["arguments"]), schemas["refund_order"])
 
 
 def test_responses_and_messages_compose_on_vllm_through_the_sdks(client, vllm):
