@@ -98,7 +98,7 @@ def command(model: Path, port: int, spans_dir: Path | None, python: Path = VLLM_
             host: str = "127.0.0.1", extra: list[str] | None = None, redis_url: str | None = None,
             tp: int = 1) -> list[str]:
     """vLLM's OpenAI server; spans_dir None: vLLM alone (no connector), for the side-by-side benchmark. With the
-    connector, priority scheduling: skillcache sends its background work (compiles, refinements) behind live
+    connector, priority scheduling: skillcache sends its background work (compiles ahead, checks) behind live
     requests."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype, "--enable-prompt-tokens-details",
