@@ -6,53 +6,12 @@ naming the keyword; `json_object` is any JSON object."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import llguidance
-
 from service.errors import InvalidRequest
-from service.runtime.params import JSON_LAYOUT
+from service.runtime.schema import schema_text
+
+__all__ = ["schema_text"]  # the check itself lives with the decode side, for tools too
 
 ANY_OBJECT = '{"type": "object"}'
-MAX_SCHEMA_BYTES = 256 * 1024
-MAX_DEPTH = 64  # nesting of the schema document (a recursive schema uses $ref, not depth)
-
-
-def _depth(doc: Any) -> int:
-    """The nesting depth of a JSON document, without recursion (a hostile one may be thousands deep)."""
-    deepest, stack = 0, [(doc, 1)]
-    while stack:
-        node, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > MAX_DEPTH:
-            break
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
-
-
-def schema_text(where: str, schema: Any) -> str:
-    """The schema as JSON text, once llguidance compiles it; 422 naming `where` and the keyword otherwise."""
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequest(f"{where}: a JSON schema is an object (or true/false)")
-    if schema is False:
-        raise InvalidRequest(f"{where}: Unsatisfiable schema: schema is false (no value is valid)")
-    if schema is True:
-        schema = {}
-    if _depth(schema) > MAX_DEPTH:
-        raise InvalidRequest(f"{where}: nested deeper than {MAX_DEPTH} levels; use $defs and $ref for recursion")
-    text = json.dumps(schema)
-    if len(text) > MAX_SCHEMA_BYTES:
-        raise InvalidRequest(f"{where}: {len(text)} bytes; the limit is {MAX_SCHEMA_BYTES}")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_LAYOUT)
-        err = llguidance.LLMatcher.validate_grammar(grammar)
-    except (ValueError, RuntimeError) as e:
-        err = str(e)
-    if err:
-        raise InvalidRequest(f"{where}: {err}")
-    return text
 
 
 def chat_schema(response_format: dict | None) -> str | None:
@@ -93,7 +52,9 @@ def messages_schema(fmt: dict | None) -> str | None:
 
 
 def check_with_tools(where: str, schema: str | None, tools) -> None:
-    """A typed reply and tools the model may call are not combined yet (the grammar would have to allow a call)."""
-    if schema is not None and tools is not None and tools.choice.mode != "none":
-        raise InvalidRequest(f"{where}: a typed reply together with callable tools is not supported yet; send "
-                             "tool_choice none, or the tools and the format in separate requests")
+    """A typed reply beside tools the model may or may not call (tool_choice auto) is not combined yet (the grammar
+    would have to allow a call or the reply); a forced call is decoded under its tool's schema instead."""
+    if schema is not None and tools is not None and tools.choice.mode == "auto":
+        raise InvalidRequest(f"{where}: a typed reply together with tool_choice auto is not supported yet; send "
+                             "tool_choice none (the typed reply), required or a named tool (a call, decoded under "
+                             "the tool's parameters schema), or the tools and the format in separate requests")

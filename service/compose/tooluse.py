@@ -3,6 +3,7 @@ forced opening, the parser for the reply, and what the response says about the b
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ class ToolsPrep:
     key: str | None = None
     options: list[Candidate] = field(default_factory=list)  # tool_choice required among several: scored names
     tail_ids: list[int] = field(default_factory=list)  # the chosen name's ids, appended after the prompt
+    g: GenParams | None = None  # the request's GenParams (gen()): a chosen tool's schema is set on it
 
     @classmethod
     def make(cls, params: ToolsParams, block: ToolsBlock, index: int | None, encode) -> "ToolsPrep":
@@ -47,6 +49,12 @@ class ToolsPrep:
     def chosen(self, c: Candidate) -> None:  # on the engine, before the first token
         self.opening += c.text
         self.tail_ids = c.name_ids + c.rest_ids
+        if self.g is not None:  # the arguments are decoded under the chosen tool's schema
+            self.g.json_schema = self._schema(c.name)
+
+    def _schema(self, name: str | None) -> str | None:
+        tool = self.params.get(name) if name is not None else None
+        return json.dumps(tool.arguments_schema()) if tool is not None else None
 
     def parser(self) -> ToolCallParser | None:
         if self.params.choice.mode == "none":
@@ -54,8 +62,17 @@ class ToolsPrep:
         return ToolCallParser(self.block.fmt, self.params, forced=self.opening)
 
     def gen(self, gen: GenParams) -> GenParams:
+        """The request's GenParams with the format's stop strings; a forced call's arguments under its tool's schema
+        (the tool named, or the one offered; among several, once chosen). A typed reply's schema gives way: the reply
+        is the call."""
         extra = self.block.fmt.stop_strings(self.params.choice, self.params.parallel)
-        return replace(gen, stop=[*gen.stop, *(s for s in extra if s not in gen.stop)]) if extra else gen
+        self.g = replace(gen, stop=[*gen.stop, *(s for s in extra if s not in gen.stop)])
+        choice = self.params.choice
+        if choice.mode == "named":
+            self.g.json_schema = self._schema(choice.name)
+        elif choice.mode == "required":
+            self.g.json_schema = self._schema(self.params.tools[0].name) if len(self.params.tools) == 1 else None
+        return self.g
 
     def copied_fresh(self, pre: "PrefillResult", in_prefix: set[int]) -> int:
         """Block tokens copied into this prompt from a block compiled for this very request: they were computed

@@ -56,7 +56,8 @@ class EmbeddedEngine:
         box: dict = {}
         donate = await self.refiner.wanted(prep.params.namespace, prep.plan) if prep.mode == "full" else 0
         loop = asyncio.get_running_loop()
-        if prep.params.gen.json_schema is not None:  # a typed reply: the grammar's vocabulary, once, off the model
+        typed = prep.params.gen.json_schema is not None or (prep.tools is not None and prep.tools.options)
+        if typed:  # a typed reply or a forced call's arguments: the grammar's vocabulary, once, off the model
             from service.runtime.grammar import vocab_ready  # thread (seconds: every stream would stall behind it)
 
             await asyncio.to_thread(vocab_ready, self.rt)

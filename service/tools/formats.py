@@ -8,9 +8,9 @@
   `<|python_tag|>` before it is a special token, gone from the decoded text); several calls are separated by `;`.
 
 A forced opening is text appended to the prompt after the assistant turn's opening: the model continues a call
-that has already begun, so a named tool_choice is always a call of that function. The service writes it from the
-tool's schema, up to the first required argument (and its opening quote when it is a string): small models copy
-the example arguments of the instructions otherwise.
+that has already begun, so a named tool_choice is always a call of that function. It ends at the arguments' key; the
+arguments are then decoded under the tool's parameters schema (GenParams.json_schema, ToolsPrep.gen), so they always
+parse and validate.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from service.tools.spec import Tool, ToolCall, ToolChoice, ToolsParams
+from service.tools.spec import ToolCall, ToolChoice, ToolsParams
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class CallFormat:
             tool = params.tools[0]  # one tool to choose from: the call is that one
         if tool is None:
             return head
-        return head + tool.name + '", ' + json.dumps(self.args_key) + ": " + _arguments_opening(tool)
+        return head + tool.name + '", ' + json.dumps(self.args_key) + ": "
 
     def call_text(self, calls: list[ToolCall]) -> str:
         """Past calls written back the way the model writes them (prompts rendered without template tools)."""
@@ -59,16 +59,6 @@ class CallFormat:
         if self.end is None or choice.mode == "none":
             return []
         return [self.end] if choice.mode == "named" or not parallel or self.list_body else []
-
-
-def _arguments_opening(tool: Tool) -> str:
-    if tool.takes_no_arguments():
-        return "{}"
-    first = tool.first_required()
-    if first is None:
-        return "{"
-    key, kind = first
-    return "{" + json.dumps(key, ensure_ascii=False) + ": " + ('"' if kind == "string" else "")
 
 
 HERMES = CallFormat("hermes", "<tool_call>", "</tool_call>", "<tool_call>\n", False, "arguments")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from service.errors import InvalidRequest
+from service.runtime.schema import schema_text
 
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -53,6 +54,13 @@ class Tool:
             return None
         kind = props[key].get("type") if isinstance(props[key], dict) else None
         return key, kind if isinstance(kind, str) else None
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """What a forced call's arguments are decoded under: the parameters as sent, an object whatever they say (a
+        call's arguments are one); none sent: any object."""
+        params = dict(self.parameters or {})
+        params.setdefault("type", "object")
+        return params
 
     def takes_no_arguments(self) -> bool:
         params = self.parameters
@@ -102,6 +110,9 @@ def tools_params(tools: list[Tool], choice: ToolChoice | None, parallel: bool | 
         raise InvalidRequest(f"tool_choice: {choice.name or choice.mode!r} needs tools; none are offered")
     if choice.mode == "named" and choice.name not in seen:
         raise InvalidRequest(f"tool_choice: no tool named {choice.name!r} among the tools offered ({sorted(seen)})")
+    for i, t in enumerate(tools):  # a call the service forces is decoded under the tool's schema: it must compile
+        if choice.mode == "required" or t.name == choice.name:
+            schema_text(f"tools.{i}.function.parameters", t.arguments_schema())
     return ToolsParams(list(tools), choice, True if parallel is None else parallel) if tools else None
 
 

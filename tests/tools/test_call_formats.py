@@ -22,26 +22,28 @@ def named(tool: Tool, *others: Tool) -> ToolsParams:
     return ToolsParams([tool, *others], ToolChoice("named", tool.name))
 
 
-@pytest.mark.parametrize("tool,end", [
-    (WEATHER, '"arguments": {"city": "'),  # a string argument: its opening quote too
-    (COUNT, '"arguments": {"n": '),
-    (PING, '"arguments": {}'),  # no arguments: the whole object
-    (LOOSE, '"arguments": {'),  # nothing required: just the object's opening
-])
-def test_named_opening_runs_to_the_first_required_argument(tool, end):
+@pytest.mark.parametrize("tool", [WEATHER, COUNT, PING, LOOSE])
+def test_a_named_opening_ends_at_the_arguments_key(tool):
+    """The arguments are decoded under the tool's schema (ToolsPrep.gen), not begun in the opening."""
     opening = FALLBACK.forced_opening(named(tool, WEATHER))
-    assert opening == '<tool_call>[{"name": "' + tool.name + '", ' + end
+    assert opening == '<tool_call>[{"name": "' + tool.name + '", "arguments": '
 
 
 def test_openings_per_format_and_choice():
     p = named(WEATHER)
-    assert HERMES.forced_opening(p) == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
-    assert LLAMA3_JSON.forced_opening(p) == '{"name": "get_weather", "parameters": {"city": "'
+    assert HERMES.forced_opening(p) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert LLAMA3_JSON.forced_opening(p) == '{"name": "get_weather", "parameters": '
     two = [WEATHER, COUNT]
     assert HERMES.forced_opening(ToolsParams(two, ToolChoice("required"))) == '<tool_call>\n{"name": "'
-    assert HERMES.forced_opening(ToolsParams([COUNT], ToolChoice("required"))).endswith('"count", "arguments": {"n": ')
+    assert HERMES.forced_opening(ToolsParams([COUNT], ToolChoice("required"))).endswith('"count", "arguments": ')
     for mode in ("auto", "none"):
         assert HERMES.forced_opening(ToolsParams(two, ToolChoice(mode))) == ""
+
+
+def test_the_arguments_schema_is_an_object_whatever_the_parameters_say():
+    assert WEATHER.arguments_schema() == WEATHER.parameters
+    assert Tool("free", None, None).arguments_schema() == {"type": "object"}
+    assert Tool("loose", None, {"properties": {"q": {"type": "string"}}}).arguments_schema()["type"] == "object"
 
 
 def test_stop_strings_end_the_reply_when_only_one_call_may_come():

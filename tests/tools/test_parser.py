@@ -137,22 +137,22 @@ def test_llama3_json_text_streams_at_once_and_json_that_is_no_call_is_content():
 def test_forced_named_call_reads_the_model_continuation(fmt):
     p = params("named", "get_weather")
     closer = {"hermes": '"}}\n</tool_call>', "fallback": '"}}]</tool_call>', "llama3_json": '"}}'}[fmt.name]
-    parser, calls, _ = run(fmt, "Paris" + closer, p)
+    parser, calls, _ = run(fmt, '{"city": "Paris' + closer, p)  # the arguments under the schema, then the close
     assert calls == [("get_weather", {"city": "Paris"})] and parser.finish_reason("stop") == "tool_calls"
 
 
 def test_forced_call_with_a_stray_brace_and_chatter_after_it_is_still_the_call():
     p = params("named", "get_weather")
-    parser, calls, _ = run(FALLBACK, 'Cairo", "unit": "C"}}}\n\nThe output must adhere to the format.', p)
+    parser, calls, _ = run(FALLBACK, '{"city": "Cairo", "unit": "C"}}}\n\nThe output must adhere to the format.', p)
     assert calls == [("get_weather", {"city": "Cairo", "unit": "C"})]
 
 
 def test_forced_call_cut_by_max_tokens_is_closed_and_says_length():
     p = params("named", "get_weather")
-    parser, calls, _ = run(FALLBACK, "San Fran", p)
+    parser, calls, _ = run(FALLBACK, '{"city": "San Fran', p)
     assert calls == [("get_weather", {"city": "San Fran"})]
     assert parser.finish_reason("length") == "length"  # the call was cut: OpenAI's finish_reason for that
-    parser, calls, _ = run(FALLBACK, 'Paris"}}]', p)
+    parser, calls, _ = run(FALLBACK, '{"city": "Paris"}}]', p)
     assert parser.finish_reason("length") == "tool_calls"  # complete, only the closing tag was missing
 
 
