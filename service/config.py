@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -147,6 +147,15 @@ class Settings(BaseSettings):
     session_store_ttl_s: float = Field(
         86400.0, ge=0, description="saved sessions with no turn for longer are deleted from the store (swept "
         "in the background by every replica; a resume past it is 404); 0 keeps them until DELETE")
+
+    # stored responses and conversations (Responses API: store, previous_response_id, conversation), kept per tenant
+    # in the definition store so that any replica can resume them (service/api/responses_store.py)
+    responses_ttl_s: Annotated[float, Field(ge=0, description="a stored response, or a conversation with no "
+                                            "response for longer, is no longer served (404) and is swept from the "
+                                            "store in the background; 0 keeps them until DELETE")] = 86400.0
+    responses_max_per_tenant: Annotated[int, Field(ge=1, description="stored responses per tenant, and "
+                                                   "conversations per tenant: past it the least recently saved is "
+                                                   "deleted")] = 10000
 
     # limits
     max_skill_tokens: int = 16384

@@ -40,6 +40,17 @@ class SessionNotFound(ServiceError):
     status, error_type = 404, "session_not_found"
 
 
+class ResponseNotFound(ServiceError):
+    """A stored response (GET/DELETE /v1/responses/{id}, previous_response_id) that is not there: never stored
+    (store: false), deleted, expired, or another tenant's."""
+
+    status, error_type = 404, "response_not_found"
+
+
+class ConversationNotFound(ServiceError):
+    status, error_type = 404, "conversation_not_found"
+
+
 class MemoryNotFound(ServiceError):
     status, error_type = 404, "memory_not_found"
 

@@ -13,7 +13,8 @@ from service import __version__
 from service.api.auth import Authenticator, authenticate
 from service.api.errors import install_error_handlers, request_id
 from service.api.limits import BodyLimitMiddleware
-from service.api.routes import chat, compose, health, memories, messages, responses, sessions, skills
+from service.api.responses_store import Stored
+from service.api.routes import chat, compose, conversations, health, memories, messages, responses, sessions, skills
 from service.api.routes.playground import install_playground
 from service.config import Settings
 from service.api.schemas.common import ErrorResponse
@@ -30,10 +31,13 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     async def lifespan(app: FastAPI):
         state = AppState(settings, runtime)
         app.state.skillcache = state
+        app.state.responses_store = stored = Stored(settings, state.definitions)  # /v1/responses, /v1/conversations
         await state.start()
+        stored.start_sweeper()
         try:
             yield
         finally:
+            stored.stop_sweeper()
             await state.stop()
 
     app = FastAPI(title="skillcache", version=__version__, lifespan=lifespan,
@@ -45,7 +49,7 @@ def create_app(settings: Settings | None = None, runtime: Any | None = None) -> 
     auth_errors = {c: {"model": ErrorResponse} for c in (401, 403, 429)}
     # every /v1 route needs a key
     for r in (skills.router, compose.router, sessions.router, chat.router, memories.router, responses.router,
-              messages.router):
+              conversations.router, messages.router):
         app.include_router(r, dependencies=[Depends(authenticate)], responses=auth_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

@@ -1,6 +1,7 @@
 """The Responses API's side of the pipeline: the fields this service refuses, input items -> the pipeline's
-OpenAI-shaped message dicts, and the Response object (output items, usage, the echoed request settings) built from
-the pipeline's Final.
+OpenAI-shaped message dicts (after the stored items of a previous response or a conversation), the items a stored
+conversation keeps, and the Response object (output items, usage, the echoed request settings) built from the
+pipeline's Final.
 
 Items map to messages as chat completions' do (service/api/chat_messages.py): `instructions` and leading
 system/developer messages make the system turn; a `function_call` item joins the assistant message before it (or
@@ -13,7 +14,11 @@ from __future__ import annotations
 import secrets
 import time
 
-from service.api.schemas.responses import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from pydantic import TypeAdapter
+
+from service.api.schemas.responses import (
+    FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest,
+)
 from service.compose.pipeline import Final
 from service.errors import InvalidRequest
 from service.tools.conversation import link_results
@@ -21,7 +26,7 @@ from service.tools.events import tool_calls_of
 from service.tools.spec import ToolCall
 
 DEFAULT_MAX_OUTPUT_TOKENS = 256
-STATELESS = "this service keeps no responses or conversations; send the whole conversation as input items"
+_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 _INCLUDABLE = {"reasoning.encrypted_content"}  # no reasoning items are produced: nothing to include, honoured as is
 
 
@@ -29,10 +34,9 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     """422 naming the first field set to something that would make the answer a lie (neutral values and defaults
     pass). Hints (verbosity, reasoning effort, service tier, truncation, cache retention, obfuscation) are accepted
     and the Response says what was applied (ResponseHead): docs/API.md, "Fields: honoured, hints, refused"."""
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise InvalidRequest("conversation: give previous_response_id or conversation, not both (as at OpenAI)")
     checks = [
-        ("previous_response_id", body.previous_response_id is not None, STATELESS),
-        ("store", body.store is True, f"{STATELESS}; send store: false, or leave it out"),
-        ("conversation", body.conversation is not None, STATELESS),
         ("background", body.background is True, "responses are generated while the request waits"),
         ("max_tokens", body.max_tokens is not None, "this is the Responses API; the length is max_output_tokens"),
         ("include", bool(set(body.include or []) - _INCLUDABLE), "only reasoning.encrypted_content (there is none)"),
@@ -55,14 +59,17 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
                                  " it runs no built-in tools)")
 
 
-def conversation(body: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as the pipeline's message dicts; 422 naming the input item out of place."""
-    items = [] if isinstance(body.input, str) else body.input
+def conversation(body: ResponsesRequest, prior: list[dict] | None = None, origin: str = "") -> list[dict]:
+    """`instructions`, then `prior` (the stored items of `origin`: a previous response's or a conversation's), then
+    `input`, as the pipeline's message dicts; 422 naming the item out of place."""
+    stored = _ITEMS.validate_python(prior or [])
+    items = [*stored, *([] if isinstance(body.input, str) else body.input)]
+    name = [f"{origin}.{k}" for k in range(len(stored))] + [f"input.{i}" for i in range(len(items) - len(stored))]
     out: list[dict] = []
-    src: list[int] = []  # the input item each message comes from (-1: instructions)
+    src: list[str] = []  # the item each message comes from
     if body.instructions is not None:
         out.append({"role": "system", "content": body.instructions})
-        src.append(-1)
+        src.append("instructions")
     for i, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
             fn = {"name": item.name, "arguments": item.arguments}
@@ -71,32 +78,57 @@ def conversation(body: ResponsesRequest) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                src.append(i)
+                src.append(name[i])
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-            src.append(i)
+            src.append(name[i])
         elif item.role in ("system", "developer"):
             if out and out[-1]["role"] != "system":
-                raise InvalidRequest(f"input.{i}: a {item.role} message must come before the conversation")
+                raise InvalidRequest(f"{name[i]}: a {item.role} message must come before the conversation")
             if out:  # instructions and leading system messages make one system turn
                 out[0]["content"] += "\n\n" + item.text()
             else:
                 out.append({"role": "system", "content": item.text()})
-                src.append(i)
+                src.append(name[i])
         else:
             out.append({"role": item.role, "content": item.text()})
-            src.append(i)
+            src.append(name[i])
     if isinstance(body.input, str):
         out.append({"role": "user", "content": body.input})
-        src.append(0)
+        src.append("input.0")
     if not out or out[-1]["role"] not in ("user", "tool"):
         raise InvalidRequest("input: the last item must be a user message or a function_call_output")
     try:
-        link_results(out, where=lambda j: "instructions" if src[j] < 0 else f"input.{src[j]}")
+        link_results(out, where=lambda j: src[j])
     except InvalidRequest as e:  # in the Responses API's words
         raise InvalidRequest(e.message.replace(".tool_call_id:", ".call_id:").replace(
             "tool message", "function_call_output item")) from None
     return out
+
+
+def items_of(body_items: str | list) -> list[dict]:
+    """Input items as a stored conversation and GET .../input_items show them: each with an id, a message's content
+    as text parts."""
+    items = [MessageItem(role="user", content=body_items)] if isinstance(body_items, str) else body_items
+    out: list[dict] = []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            out.append({"id": new_id("fc"), "type": "function_call", "call_id": item.call_id, "name": item.name,
+                        "arguments": item.arguments, "status": "completed"})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"id": new_id("fco"), "type": "function_call_output", "call_id": item.call_id,
+                        "output": item.text(), "status": "completed"})
+        else:
+            part = "output_text" if item.role == "assistant" else "input_text"
+            out.append({"id": new_id("msg"), "type": "message", "role": item.role, "status": "completed",
+                        "content": [{"type": part, "text": item.text()}]})
+    return out
+
+
+def turn_items(inputs: list[dict], output: list[dict]) -> list[dict]:
+    """What a response adds to its stored conversation: its input items but system and developer messages
+    (instructions are not carried over, as at OpenAI), then its output items."""
+    return [i for i in inputs if i.get("role") not in ("system", "developer")] + output
 
 
 def new_id(prefix: str) -> str:
@@ -158,9 +190,10 @@ def reasoning(body: ResponsesRequest) -> dict | None:
 
 
 class ResponseHead:
-    """The Response object's fields that do not depend on the reply: id, model, and the request's settings."""
+    """The Response object's fields that do not depend on the reply: id, model, and the request's settings (store,
+    previous_response_id and conversation as applied)."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, conversation_id: str | None = None) -> None:
         self.id, self.created_at = new_id("resp"), int(time.time())
         choice = body.tool_choice or "auto"
         self.fields = {
@@ -171,7 +204,9 @@ class ResponseHead:
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump() for t in body.tools or []], "text": text_config(body),
             # hints, as applied: the conversation is never truncated (too long: a 413), one service tier
-            "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
+            "truncation": "disabled", "background": False,
+            "store": body.store is not False, "previous_response_id": body.previous_response_id,
+            "conversation": None if conversation_id is None else {"id": conversation_id},
             "reasoning": reasoning(body), "service_tier": "default", "top_logprobs": 0, "user": body.user,
             "prompt_cache_retention": body.prompt_cache_retention,
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,

@@ -15,13 +15,9 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("torch", "transformers", "safetensors", "numpy"):
             raise ImportError(f"{name} is blocked: the API must import without it")
 sys.meta_path.insert(0, Block())
-import service.api
-for m in ("service.main", "service.api.deps", "service.api.errors", "service.api.schemas.compose",
-          "service.api.schemas.chat", "service.api.schemas.sessions", "service.api.params",
-          "service.api.routes.chat", "service.api.routes.compose", "service.api.routes.health",
-          "service.api.routes.memories", "service.api.routes.playground", "service.api.routes.sessions",
-          "service.api.routes.skills"):
-    importlib.import_module(m)
+import pkgutil, service.api
+for m in ["service.main", *(i.name for i in pkgutil.walk_packages(service.api.__path__, "service.api."))]:
+    importlib.import_module(m)  # every module of the API, the new ones too
 print("imported", sorted(k for k in sys.modules if k.split(".")[0] in ("torch", "transformers")))
 """
 

@@ -1,6 +1,7 @@
 """POST /v1/responses in process on the tiny random-weight model, through the official openai SDK: input items ->
 the pipeline's messages, the Response and its usage, streamed events (order, sequence numbers, what they add up to),
-forced function calls, refused fields and malformed items (typed 4xx, never 5xx)."""
+forced function calls, refused fields and malformed items (typed 4xx, never 5xx). Stored responses and conversations:
+tests/api/test_responses_stored.py."""
 
 from __future__ import annotations
 
@@ -128,9 +129,7 @@ def test_forced_call_plain_and_streamed(sdk):
 
 
 REFUSED = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),  # one or the other, as at OpenAI
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
@@ -150,6 +149,20 @@ def test_unsupported_fields_are_refused_naming_them(client, extra, field):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request" and err["message"].startswith(field), err
+
+
+def test_stateful_fields_are_honoured_not_refused(client):
+    """store, previous_response_id and conversation were refused when this service kept nothing; now a stored
+    response is echoed as stored, and an id that is not there is a typed 404 (tests/api/test_responses_stored.py has
+    the rest)."""
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, "store": True})
+    assert r.status_code == 200 and r.json()["store"] is True, r.text
+    for extra, status, kind in [({"previous_response_id": "resp_1"}, 404, "response_not_found"),
+                                ({"conversation": "conv_1"}, 404, "conversation_not_found"),
+                                ({"conversation": {"id": "conv_1"}}, 404, "conversation_not_found")]:
+        r = client.post("/v1/responses", json={"input": "hi", **extra})
+        assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+        assert "'resp_1'" in r.json()["error"]["message"] or "'conv_1'" in r.json()["error"]["message"]
 
 
 def test_hints_are_accepted_and_the_response_says_what_was_applied(sdk):

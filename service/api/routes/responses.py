@@ -1,9 +1,15 @@
 """OpenAI's Responses API, POST /v1/responses: the same pipeline as chat completions (skillcache's composition extras
-in the body), text or input items in, a Response out, or its typed stream events (each with its sequence_number)."""
+in the body), text or input items in, a Response out, or its typed stream events (each with its sequence_number).
+Stored responses (service/api/responses_store.py): a request continues a previous response or a conversation, and
+its Response is kept (store) before it is returned or its response.completed event is sent; GET and DELETE
+/v1/responses/{id}, GET /v1/responses/{id}/input_items."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import functools
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query
 
 from service.api.deps import Memories, Namespace, Pipeline, State
 from service.api.params import compose_params, gen_params, tools_params
@@ -12,6 +18,7 @@ from service.api.responses_items import (
     DEFAULT_MAX_OUTPUT_TOKENS, ResponseHead, call_item, conversation, extra, message_item, new_id, output_items,
     refuse_unsupported, text_part,
 )
+from service.api.responses_store import StoredDep, Turn, page
 from service.api.schemas.common import ErrorResponse
 from service.api.schemas.responses import FunctionToolIn, ResponsesRequest
 from service.api.schemas.tools import FunctionIn, FunctionName, NamedToolChoice, ToolIn
@@ -22,7 +29,7 @@ from service.runtime.params import Delta
 from service.tools.parser import CallEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-_ERRORS = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (404, 413, 422, 429, 503)}
 
 
 def _tools(body: ResponsesRequest):
@@ -39,9 +46,8 @@ def _tools(body: ResponsesRequest):
         raise InvalidRequest(e.message.replace(".function.name", ".name")) from None
 
 
-async def _params(body: ResponsesRequest, ns: str, memories) -> ComposeParams:
-    refuse_unsupported(body)
-    messages = conversation(body)
+async def _params(body: ResponsesRequest, ns: str, memories, turn: Turn) -> ComposeParams:
+    messages = conversation(body, turn.prior, turn.origin)
     tools = _tools(body)
     gen = gen_params(body, None, body.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS)
     fmt = body.text.format if body.text is not None else None
@@ -130,18 +136,66 @@ class _Stream:
         return self.finish(ev)
 
 
+class _Keeping:
+    """The pipeline's events, with the final one turned into its stream events here, and the Response kept before
+    they go out (a client that reads response.completed finds it stored). Closing it closes the events."""
+
+    def __init__(self, events, stream: _Stream, keep) -> None:
+        self.events, self.stream, self.keep = events, stream, keep
+
+    def __aiter__(self) -> "_Keeping":
+        return self
+
+    async def __anext__(self):
+        ev = await self.events.__anext__()
+        if not isinstance(ev, Final):
+            return ev
+        frames = self.stream.finish(ev)
+        await self.keep(frames[-1]["response"])
+        return frames
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 @router.post("/responses", responses={**_ERRORS, **SSE_200})
 async def create_response(body: ResponsesRequest, pipeline: Pipeline, state: State, ns: Namespace,
-                          memories: Memories):
-    params = await _params(body, ns, memories)
+                          memories: Memories, stored: StoredDep):
+    refuse_unsupported(body)
+    turn = await stored.begin(ns, body)
+    params = await _params(body, ns, memories, turn)
     prep = await pipeline.prepare(params)
     events = await pipeline.start(prep)
-    head = ResponseHead(body, state.runtime.loaded.name)
+    head = ResponseHead(body, state.runtime.loaded.name, turn.conversation)
+    keep = functools.partial(stored.keep, ns, body, turn)
     if not body.stream:
         final = None
         async for ev in events:
             final = ev
-        return {**head.response(output_items(final), final), "skillcache": extra(final)}
+        response = {**head.response(output_items(final), final), "skillcache": extra(final)}
+        await keep(response)
+        return response
 
     stream = _Stream(head)
-    return sse_response(events, stream.to_json, on_error=stream.error, start=stream.start)
+    to_json = lambda ev: ev if isinstance(ev, list) else stream.to_json(ev)  # noqa: E731 - frames made by _Keeping
+    return sse_response(_Keeping(events, stream, keep), to_json, on_error=stream.error, start=stream.start)
+
+
+@router.get("/responses/{rid}", responses=_ERRORS)
+async def get_response(rid: str, stored: StoredDep, ns: Namespace) -> dict:
+    """A stored response: the Response object as its POST returned it."""
+    return (await stored.response(ns, rid))["response"]
+
+
+@router.delete("/responses/{rid}", responses=_ERRORS)
+async def delete_response(rid: str, stored: StoredDep, ns: Namespace) -> dict:
+    return await stored.delete_response(ns, rid)
+
+
+@router.get("/responses/{rid}/input_items", responses=_ERRORS)
+async def list_input_items(rid: str, stored: StoredDep, ns: Namespace, order: Literal["asc", "desc"] = "desc",
+                           limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
+    """A stored response's own input items (not those of the response or conversation it continued)."""
+    return page((await stored.response(ns, rid))["input_items"], order, limit, after)

@@ -118,6 +118,27 @@ class StreamOptionsIn(BaseModel):
 Label = Annotated[str, StringConstraints(max_length=512)]
 
 
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Label
+
+
+Metadata = dict[Annotated[str, StringConstraints(max_length=64)], Label]
+
+
+class ConversationCreate(BaseModel):
+    """POST /v1/conversations: its first items (input items, as in a request's `input`) and metadata."""
+
+    model_config = ConfigDict(extra="forbid")
+    items: list[InputItem] | None = Field(None, json_schema_extra={"maxItems": MAX_ITEMS})
+    metadata: Metadata | None = Field(None, max_length=16)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        return _defaults(data, "items")
+
+
 class ResponsesRequest(GenerationIn, Composition):
     """POST /v1/responses. `temperature`, `top_p`, `stream` come from GenerationIn, as do `seed` and `stop`
     (skillcache extras here); the output's length is `max_output_tokens` (`max_tokens` is refused)."""
@@ -132,11 +153,13 @@ class ResponsesRequest(GenerationIn, Composition):
     tools: list[FunctionToolIn | OtherToolIn] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    metadata: dict[Annotated[str, StringConstraints(max_length=64)], Label] | None = Field(None, max_length=16)
+    metadata: Metadata | None = Field(None, max_length=16)
     user: Label | None = None
     safety_identifier: Label | None = None
     prompt_cache_key: Label | None = None
-    store: bool | None = Field(None, description="false or omitted: nothing is stored; true is refused")
+    store: bool | None = Field(None, description="true or omitted (OpenAI's default): the Response and the "
+                               "conversation it completed are kept (GET /v1/responses/{id}, previous_response_id); "
+                               "false: nothing is kept")
     text: TextConfig | None = None
     reasoning: ReasoningIn | None = None
     include: list[Annotated[str, StringConstraints(max_length=128)]] | None = Field(None, max_length=32)
@@ -149,9 +172,12 @@ class ResponsesRequest(GenerationIn, Composition):
     background: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tool_calls: int | None = Field(None, ge=1)
-    previous_response_id: Label | None = None
+    previous_response_id: Label | None = Field(None, description="a stored response: its conversation comes "
+                                               "first (its instructions do not)")
+    conversation: Label | ConversationRef | None = Field(None, description="a conversation (POST "
+                                                         "/v1/conversations): its items come first, and this "
+                                                         "response's input and output items are added to it")
     # OpenAI fields this service does not honour: refused with a 422 when set (to anything but null)
-    conversation: Any = None
     prompt: Any = None
     context_management: Any = None
     moderation: Any = None
@@ -162,15 +188,19 @@ class ResponsesRequest(GenerationIn, Composition):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data):
-        """OpenAI accepts null for any optional parameter: null means the default. A message item may omit its
-        `type` (OpenAI's EasyInputMessage)."""
-        if not isinstance(data, dict):
-            return data
-        data = {k: v for k, v in data.items() if v is not None}
-        items = data.get("input")
-        if isinstance(items, list):
-            if len(items) > MAX_ITEMS:
-                raise ValueError(f"input: at most {MAX_ITEMS} items")
-            data["input"] = [{**x, "type": "message"} if isinstance(x, dict) and "type" not in x and "role" in x
-                             else x for x in items]
+        return _defaults(data, "input")
+
+
+def _defaults(data, key: str):
+    """OpenAI accepts null for any optional parameter: null means the default. A message item may omit its `type`
+    (OpenAI's EasyInputMessage)."""
+    if not isinstance(data, dict):
         return data
+    data = {k: v for k, v in data.items() if v is not None}
+    items = data.get(key)
+    if isinstance(items, list):
+        if len(items) > MAX_ITEMS:
+            raise ValueError(f"{key}: at most {MAX_ITEMS} items")
+        data[key] = [{**x, "type": "message"} if isinstance(x, dict) and "type" not in x and "role" in x
+                     else x for x in items]
+    return data
