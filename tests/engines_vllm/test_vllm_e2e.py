@@ -20,6 +20,7 @@ import pytest
 
 from fastapi.testclient import TestClient
 
+from agent_libs import LIBRARIES
 from embedded_model import embedded_settings
 from service.devserver import free_port
 from service.main import create_app
@@ -338,6 +339,9 @@ def test_typed_replies_on_vllm_parse_and_validate(client):
     resp = oai.responses.parse(model="x", input="How fast is express?", text_format=Answer, max_output_tokens=60,
                                extra_body={"skills": ["shipping"]})
     assert isinstance(resp.output_parsed, Answer), resp.output_text
+    for name, call in LIBRARIES.items():  # the agent libraries' typed answers, as on the embedded engine
+        out = call(client, Answer, "Do you ship to Canada?", max_tokens=60, seed=3, extra={"skills": ["shipping"]})
+        assert isinstance(out, Answer), (name, out)
 
 
 def test_vllm_killed_mid_stream_is_a_typed_error_then_recovers(client, vllm):
