@@ -9,9 +9,9 @@ skillcache in front of vLLM (as make run-vllm starts them; vLLM in its fastest d
   during   --delay-s after a new skill of ~2.4k tokens (the three skills' texts under a new heading) was registered:
            its compile ahead (vLLM's prefill of the block, at background priority) has started (vLLM's
            running-request count is read just before the live request goes), then the live request, greedy, 16 tokens
-  refining (first arm only) new orders: two sent once with mode=full (vLLM computes the whole prompt, as vLLM alone
-           would a new prompt), three sent twice: composed, then the refining request (exact: vLLM computes the whole
-           prompt at live priority); first tokens of each
+  refining (first arm only) --refining new orders, each sent twice: composed, then the refining request (exact:
+           vLLM computes the whole prompt at live priority); then vLLM alone (straight to the same server, a salt of
+           its own) on the refining request's token ids; first tokens of each
 Per --chunk arm (SKILLCACHE_VLLM_BACKGROUND_CHUNK: new tokens per background request; 0: one request).
 """
 
@@ -25,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -32,8 +33,22 @@ import httpx
 from common import stream_compose, write_json
 from peers_run import environment, quiesce
 from peers_vllm import SKILLS, descendants
+from peers_work import Prompts
 from service.devserver import ROOT, ServiceProcess, free_port
-from service.vllm.launch import VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
+from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
+
+
+async def vllm_ttft(url: str, ids: list[int], salt: str) -> float:
+    """vLLM alone: the first token of `ids` (greedy, streamed) under a salt no other request used, in ms."""
+    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": 4, "temperature": 0.0, "stream": True,
+            "cache_salt": salt}
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                return (time.perf_counter() - t0) * 1e3
+    raise RuntimeError("vLLM streamed no token")
 
 
 def running(vllm_url: str) -> float:
@@ -42,7 +57,7 @@ def running(vllm_url: str) -> float:
                                                         re.M))
 
 
-async def arm(chunk: int, args, home: Path, first: bool) -> dict:
+async def arm(chunk: int, args, home: Path, prompts: Prompts | None) -> dict:
     from service.config import Settings
 
     cmd = command(model_dir(Settings()), free_port(), home / "spans", dtype=args.dtype)
@@ -73,6 +88,7 @@ async def arm(chunk: int, args, home: Path, first: bool) -> dict:
                 r = await stream_compose(c, body(live, f"Live question {i}: can I return it?", 16))
                 idle.append(r["ttft_s"] * 1e3)
             big = "\n\n".join((ROOT / "skills" / f"{n}.md").read_text() for n in SKILLS)
+            big = big.replace("{", "(").replace("}", ")")  # their fields' placeholders: plain text here
             during = []
             for i in range(args.new):  # a new skill: its compile ahead runs in the background
                 reg = asyncio.create_task(c.post("/v1/skills", json={"name": f"big-{chunk}-{i}",
@@ -81,25 +97,27 @@ async def arm(chunk: int, args, home: Path, first: bool) -> dict:
                 n_running = running(vllm.url)
                 r = await stream_compose(c, body(live, f"Live during {i}: can I return it?", 16))
                 during.append({"ttft_ms": r["ttft_s"] * 1e3, "vllm_running_before": n_running})
-                assert (await reg).status_code in (200, 201)
+                reply = await reg
+                assert reply.status_code in (200, 201), reply.text
                 await quiesce(pids, args.settle_s)
             refining = {}
-            if first:
-                full, composed, refine = [], [], []
-                for i, order in enumerate(orders[1:3]):  # vLLM computes the whole new prompt, as alone
-                    r = await stream_compose(c, {**body(order, f"New order {i}.", 4), "mode": "full"})
-                    full.append(r["ttft_s"] * 1e3)
-                    await quiesce(pids, args.settle_s)
-                for i, order in enumerate(orders[3:6]):
+            if prompts is not None:  # the refining request against vLLM alone on the same ids, on the same server
+                composed, refine, alone = [], [], []
+                firsts = {live[0]}  # orders whose first skill no earlier exact request had: no prefix in common
+                fresh = [o for o in orders if o[0] not in firsts and not firsts.add(o[0])]
+                for i, order in enumerate(fresh[:args.refining]):
                     r = await stream_compose(c, body(order, f"New order {i}.", 4))
                     composed.append(r["ttft_s"] * 1e3)
                     await quiesce(pids, args.settle_s)
-                    r = await stream_compose(c, body(order, f"Again {i}.", 4))  # the refining request
+                    user = f"Again {i}: can I return it?"
+                    r = await stream_compose(c, body(order, user, 4))  # the refining request
                     refine.append(r["ttft_s"] * 1e3)
                     await quiesce(pids, args.settle_s)
-                refining = {"full_ttft_ms": full, "composed_ttft_ms": composed, "refining_ttft_ms": refine}
-                print(f"new orders: full (as vLLM alone) {[round(x) for x in full]} ms; composed "
-                      f"{[round(x) for x in composed]} ms; the refining request {[round(x) for x in refine]} ms",
+                    alone.append(await vllm_ttft(vllm.url, prompts.ids(order, user), f"alone-{uuid.uuid4()}"))
+                    await quiesce(pids, args.settle_s)
+                refining = {"composed_ttft_ms": composed, "refining_ttft_ms": refine, "vllm_alone_ttft_ms": alone}
+                print(f"new orders: composed {[round(x) for x in composed]} ms; the refining request "
+                      f"{[round(x) for x in refine]} ms; vLLM alone on its ids {[round(x) for x in alone]} ms",
                       flush=True)
         out = {"chunk": chunk, "idle_ttft_ms": idle, "during": during, "refining": refining,
                "idle_p50_ms": statistics.median(idle),
@@ -121,6 +139,8 @@ def main() -> None:
     ap.add_argument("--live", type=int, default=5)
     ap.add_argument("--new", type=int, default=5, help="new skills registered, each followed by a live request")
     ap.add_argument("--delay-s", type=float, default=0.4, help="after a registration began: its compile runs")
+    ap.add_argument("--refining", type=int, default=2, help="new orders whose refining request is timed (first arm; "
+                    "at most one per first skill other than the live order's)")
     ap.add_argument("--settle-s", type=float, default=20)
     ap.add_argument("--dtype", default=fastest_dtype()[0])
     ap.add_argument("--json")
@@ -129,9 +149,10 @@ def main() -> None:
     (home / "skills").mkdir()
     for name in SKILLS:
         shutil.copy(ROOT / "skills" / f"{name}.md", home / "skills")
+    prompts = Prompts(SKILLS) if args.refining else None  # token ids exactly as skillcache builds them
     t0 = time.perf_counter()
     out = {"environment": environment(), "args": vars(args),
-           "arms": [asyncio.run(arm(ch, args, home, i == 0)) for i, ch in enumerate(args.chunks)]}
+           "arms": [asyncio.run(arm(ch, args, home, prompts if i == 0 else None)) for i, ch in enumerate(args.chunks)]}
     out["elapsed_s"] = time.perf_counter() - t0
     write_json(args.json, out)
 
