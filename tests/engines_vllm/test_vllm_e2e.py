@@ -280,6 +280,36 @@ def test_required_among_several_tools_is_a_call_of_one_of_them_under_its_schema(
     jsonschema.validate(json.loads(call["arguments"]), schemas["refund_order"])
 
 
+def test_the_agents_sdk_continues_through_previous_response_id_on_vllm(client, vllm):
+    """A stored response's follow-up (the Agents SDK's previous_response_id) starts with the earlier turn: vLLM's prefix
+    cache serves it, and usage's cached_tokens says as much as vLLM's own counters."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
+    from openai import AsyncOpenAI
+
+    async def run(prompt, previous):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=client.app), base_url="http://testserver") as h:
+            oai = AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=h, max_retries=0)
+            agent = Agent(name="a", instructions="Answer in one sentence.", model=OpenAIResponsesModel("x", oai),
+                          model_settings=ModelSettings(temperature=0.0, max_tokens=64,  # incomplete raises there
+                                                       extra_body={"skills": ["shipping"], "stop": [".", "\n"]}))
+            return await Runner.run(agent, prompt, run_config=RunConfig(tracing_disabled=True),
+                                    previous_response_id=previous)
+
+    long_turn = "I ordered a desk, two lamps and a chair for my office in Toronto last week. " * 10 + "Ship there?"
+    first = client.portal.call(run, long_turn, None)
+    before = sources(vllm)
+    second = client.portal.call(run, "And how long does express take?", first.last_response_id)
+    moved = delta(before, sources(vllm))
+    one = client.get(f"/v1/responses/{first.last_response_id}").json()["usage"]
+    two = client.get(f"/v1/responses/{second.last_response_id}").json()["usage"]
+    assert second.final_output.strip() and two["input_tokens"] > one["input_tokens"], (one, two)
+    cached = two["input_tokens_details"]["cached_tokens"]
+    assert one["input_tokens"] > 256, one
+    assert moved["external_kv_transfer"] + moved["local_cache_hit"] == cached, (moved, two)
+    # the first turn's long question is in vLLM's prefix cache: the follow-up reads it up to its last whole block
+    assert moved["local_cache_hit"] >= one["input_tokens"] // 128 * 128, (one, two, moved)
+
+
 def test_responses_and_messages_compose_on_vllm_through_the_sdks(client, vllm):
     """The drop-in APIs run on the vLLM engine like /v1/compose: a registered skill (Responses, extra_body) and a
     cache_control system block (Messages) are loaded into vLLM as composed K/V, and each SDK's usage says so."""
