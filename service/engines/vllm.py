@@ -9,10 +9,11 @@ this process. The salt `approx:<namespace>:<digest of the composition>` keeps co
 the same composition only: a repeat hits there, and no exact request, no other tenant and no other composition ever
 reads them.
 Refinement: once a composition has been served composed SKILLCACHE_VLLM_REFINE_AFTER times, its next request goes
-out exact (under `exact:<namespace>`, nothing loaded): vLLM prefills the whole prompt as vLLM alone would, a live
-request at live priority, and no background prefill is ever sent for it (one vLLM cannot interrupt held a live
-request's first token 2.2 s: docs/BENCHMARKS.md); from then on the order goes out exact and vLLM's own prefix cache
-serves the head. mode=full: the exact salt, nothing loaded.
+out exact (under `exact:<namespace>:<digest>`, the order's own, nothing loaded): vLLM prefills the whole prompt as
+vLLM alone would, a live request at live priority, and no background prefill is ever sent for it (one vLLM cannot
+interrupt held a live request's first token 2.2 s: docs/BENCHMARKS.md); from then on the order goes out exact and
+vLLM's own prefix cache serves the head, from that whole-prompt prefill only (K/V computed against a cached prefix
+round differently in bfloat16). mode=full: `exact:<namespace>`, nothing loaded.
 Automatic reuse is vLLM's own prefix cache under the exact salt, reported as `auto_tokens`.
 Replicas (SKILLCACHE_VLLM_URL lists several): a composition goes to the first replica, in the rendezvous order of its
 digest (a request with no composed head: of its tenant and first tokens), that answers (service/vllm/client.py,
@@ -40,7 +41,7 @@ from service.runtime.params import Delta, Done
 from service.engines.vllm_blocks import VllmBlocks
 from service.engines.vllm_turns import VllmTurns
 from service.tools.events import parsed
-from service.vllm.background import Background, approx_salt, exact_salt
+from service.vllm.background import Background, approx_salt, exact_salt, refined_salt
 from service.vllm.chain import Chain
 from service.vllm.checks import VllmChecks
 from service.vllm.client import Usage, VllmClient, VllmPool
@@ -184,11 +185,14 @@ class VllmEngine:
         if planned is not None:
             chain, seams, blocks = planned
             pre.seams = dict(seams)
-            # else refined (vLLM's exact prefix) or refining (vLLM prefills the whole prompt): exact, no transfer
-            unrefined = chain.n_head > 0 and not self.heads.refined(client, chain.digest)
-            if unrefined and self.due(chain.digest) and self.heads.claim(client, chain.digest):
+            # refined (vLLM's exact prefix) or refining (vLLM prefills the whole prompt): exact, no transfer, under
+            # the order's own salt; else composed
+            refined = chain.n_head > 0 and self.heads.refined(client, chain.digest)
+            if chain.n_head > 0 and not refined and self.due(chain.digest) and self.heads.claim(client, chain.digest):
                 refining = chain.digest
-            if unrefined and refining is None:
+            if refined or refining is not None:
+                salt = refined_salt(ns, chain.digest)
+            elif chain.n_head > 0:
                 salt = approx_salt(ns, chain.digest)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(self.heads.compile(client, name, ids, base, ns) for name, ids, base in blocks))
@@ -221,7 +225,7 @@ class VllmEngine:
         ttft_ms = (time.perf_counter() - prep.t_start) * 1e3
         pre.timings_ms["prefill_ms"] = t_head
         records = [p.name for p in chain.final.load] if chain is not None else []
-        events = self._events(client, prep, first, stream, usage, pre, ttft_ms, h, n_step, salt != exact_salt(ns),
+        events = self._events(client, prep, first, stream, usage, pre, ttft_ms, h, n_step, salt.startswith("approx:"),
                               finish, after, records)
         parser = prep.tools.parser() if prep.tools is not None else None
         return parsed(events, parser) if parser is not None else events

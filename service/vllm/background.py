@@ -28,6 +28,19 @@ def exact_salt(namespace: str) -> str:
     return f"exact:{namespace}"
 
 
+def refined_salt(namespace: str, digest: str) -> str:
+    """One refined order's exact prompts: its prefix cache holds only vLLM's own whole-prompt prefills of that order
+    (the refining request, then its repeats), so a refined head is vLLM's prefill of the cold prompt, never K/V another
+    request computed against a prefix (in bfloat16 those round differently: docs/BENCHMARKS.md, fidelity)."""
+    return f"exact:{namespace}:{digest}"
+
+
+def check_salt(namespace: str) -> str:
+    """The fidelity checks' reference prefills (background, in chunks): apart, so that their K/V never serve a live
+    exact request."""
+    return f"check:{namespace}"
+
+
 def approx_salt(namespace: str, digest: str) -> str:
     """Composed K/V of one composition: a repeat of it reads them, nothing else does."""
     return f"approx:{namespace}:{digest}"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from service.errors import ServiceError
 from service.kv.blockref import BlockRef
 from service.runtime.params import GenParams
-from service.vllm.background import approx_salt, exact_salt
+from service.vllm.background import approx_salt, check_salt
 from service.vllm.client import Usage
 from service.vllm.fidelity import TOP_K, top_agreement
 
@@ -71,9 +71,9 @@ class VllmChecks:
         return []
 
     async def _full(self, client, namespace: str, ids: list[int]) -> list[tuple[str, float]]:
-        """vLLM's full prefill of `ids` (exact: the namespace's exact salt), prefilled behind live traffic first."""
-        await self.bg.prefill(client, ids[:-1], exact_salt(namespace))
-        return await self._top(client, ids, exact_salt(namespace), None)
+        """vLLM's full prefill of `ids` (under the checks' own salt), prefilled behind live traffic first."""
+        await self.bg.prefill(client, ids[:-1], check_salt(namespace))
+        return await self._top(client, ids, check_salt(namespace), None)
 
     async def _composed(self, client, namespace: str, plan, blocks, seams: list[int]) -> list[tuple[str, float]]:
         """`plan` composed from `blocks` with `seams`, built inside vLLM at background priority."""

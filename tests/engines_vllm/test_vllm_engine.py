@@ -52,7 +52,7 @@ class FakeVllm:
         usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens = len(ids), head, 2
         top = None
         if gen.logprobs:  # vLLM's top-k of the first position: the full prefill's, or the composed one's
-            top = self.top_exact if cache_salt.startswith("exact:") else self.top_composed
+            top = self.top_exact if cache_salt.startswith(("exact:", "check:")) else self.top_composed
         yield Chunk("Hel", [1], None, top)
         yield Chunk("lo", [2], "stop")
 
@@ -174,8 +174,9 @@ def test_full_mode_and_other_namespaces_never_share_a_composed_salt(env):
 
 
 def exact_live(fake) -> list[dict]:
-    """The live requests sent under the exact salt with nothing to load: refining and refined requests."""
-    return [x for x in fake.sent if x["salt"] == "exact:default" and not x.get("prefill") and x["transfer"] is None]
+    """The live requests sent under an order's own exact salt with nothing to load: refining and refined requests."""
+    return [x for x in fake.sent if x["salt"].startswith("exact:default:") and not x.get("prefill")
+            and x["transfer"] is None]
 
 
 def test_refinement_sends_the_next_request_of_an_order_exact_and_no_background_prefill(env):
@@ -192,9 +193,11 @@ def test_refinement_sends_the_next_request_of_an_order_exact_and_no_background_p
     (refining,) = exact_live(fake)
     assert refining is fake.sent[-1] and second["usage"]["composed_tokens"] == 0 and count("refined") == before + 1
     compose(c, ["b", "a"], "a third turn")
-    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+    assert fake.sent[-1]["salt"] == refining["salt"] and fake.sent[-1]["transfer"] is None
     c.portal.call(__import__("asyncio").sleep, 0.3)  # a quiet moment: background work would go now
-    assert not [x for x in fake.sent if x["salt"] == "exact:default" and x.get("prefill")]
+    assert not [x for x in fake.sent if x["salt"] == refining["salt"] and x.get("prefill")]
+    compose(c, ["b", "a"], mode="full")  # vLLM's exact prefill of the prompt, under the tenant's exact salt
+    assert fake.sent[-1]["salt"] == "exact:default" != refining["salt"]
     compose(c, ["a", "b"])  # another order: composed, its own count
     assert fake.sent[-1]["salt"].startswith("approx:")
 
@@ -419,8 +422,8 @@ def test_past_a_refined_head_vllms_prefix_cache_counts_as_auto_and_the_head_as_p
     runner.refine_after = 1
     composed = compose(c, ["a", "b"], "the same turn")  # composed; its next request refines
     h = n_head(fake.sent[-1]["transfer"])
-    out = compose(c, ["a", "b"], "the same turn")  # exact salt, no head: vLLM computes the whole prompt
-    assert fake.sent[-1]["salt"] == "exact:default" and fake.sent[-1]["transfer"] is None
+    out = compose(c, ["a", "b"], "the same turn")  # the order's exact salt, no head: vLLM computes the whole prompt
+    assert fake.sent[-1]["salt"].startswith("exact:default:") and fake.sent[-1]["transfer"] is None
     assert out["usage"]["prefix_tokens"] == out["usage"]["auto_tokens"] == 0 and composed["text"] == out["text"]
     again = compose(c, ["a", "b"], "the same turn")  # now the whole prompt, but its last partial block
     u = again["usage"]
@@ -471,9 +474,10 @@ def test_shadow_checks_on_vllm_compare_the_composed_head_with_vllms_full_prefill
         n = len(fake.sent)
         compose(c, ["a", "b"], "hello")
         c.portal.call(state.pipeline.guard.drain)
-        checks = [x for x in fake.sent[n:] if x.get("logprobs") or x["salt"] == "exact:default"]
+        # the full prefill under the checks' own salt: its chunks never serve a live exact request
+        checks = [x for x in fake.sent[n:] if x.get("logprobs") or x["salt"] == "check:default"]
         composed = [x for x in checks if x.get("logprobs") and x["salt"].startswith("approx:")]
-        full = [x for x in checks if x.get("logprobs") and x["salt"] == "exact:default"]
+        full = [x for x in checks if x.get("logprobs") and x["salt"] == "check:default"]
         assert len(composed) == 1 and composed[0]["transfer"] is not None and len(full) == 1
         assert {x["priority"] for x in checks if x.get("prefill")} == {vllm_engine.BACKGROUND}  # the full prefill
         shadow = c.get("/v1/skills/b").json()["shadow"]
