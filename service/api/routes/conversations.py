@@ -13,7 +13,8 @@ from service.api.schemas.common import ErrorResponse
 from service.api.schemas.responses import ConversationCreate
 
 router = APIRouter(prefix="/v1/conversations", tags=["openai"])
-_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (404, 422, 503)}
+# 413: a body past SKILLCACHE_MAX_BODY_BYTES (the body limit answers before the route)
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (404, 413, 422, 503)}
 
 
 @router.post("", responses=_ERRORS)
