@@ -28,6 +28,7 @@ from fastapi import Depends, Request
 from service.api.responses_items import items_of, new_id, turn_items
 from service.api.schemas.responses import ResponsesRequest
 from service.errors import ConversationNotFound, ResponseNotFound
+from service.sessions.saved import sweep_forever
 
 log = logging.getLogger(__name__)
 _ID = re.compile(r"(resp|conv)_[0-9a-f]{32}")  # new_id's: anything else was never stored here
@@ -205,12 +206,7 @@ class Stored:
             self._sweeper.cancel()
 
     async def _sweep_forever(self, every_s: float) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await self.sweep()
-            except Exception as e:  # a store outage: try again next time
-                log.warning("sweep of stored responses failed: %s", e)
+        await sweep_forever(self.sweep, every_s, "sweep of stored responses")
 
 
 def conversation_object(doc: dict) -> dict:

@@ -228,9 +228,15 @@ class SavedSessions:
             self._sweeper.cancel()
 
     async def _sweep_forever(self, every_s: float) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await self.sweep()
-            except Exception as e:  # a store outage: try again next time
-                log.warning("session sweep failed: %s", e)
+        await sweep_forever(self.sweep, every_s, "session sweep")
+
+
+async def sweep_forever(sweep, every_s: float, what: str) -> None:
+    """`sweep()` every `every_s` seconds until cancelled; a failure (a store outage) is logged and tried next time.
+    Saved sessions and stored responses (service/api/responses_store.py) expire this way."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await sweep()
+        except Exception as e:
+            log.warning("%s failed: %s", what, e)
