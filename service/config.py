@@ -67,10 +67,13 @@ class Settings(BaseSettings):
     vllm_spans_dir: Path = Field(Path("/dev/shm/skillcache-spans"), description="where vLLM's connector keeps the K/V "
                                  "it saved (blocks in their canonical context, composition steps): a directory every "
                                  "vLLM rank on the host sees, a tmpfs by default (the connector's spans_dir)")
-    vllm_refine_after: int = Field(8, ge=0, description="engine vllm: a skill order composed this many times goes "
+    vllm_refine_after: int = Field(64, ge=0, description="engine vllm: a skill order composed this many times goes "
                                    "out exact on its next request (vLLM prefills the whole prompt, at live priority, "
                                    "as vLLM alone would) and is served from vLLM's own prefix cache from then on; "
-                                   "0: never")
+                                   "0: never. Refinement buys vLLM's own numbers, not speed: the refining request is a "
+                                   "cold prefill (~10x a composed first token on CPU) and a refined repeat computes "
+                                   "up to one vLLM block more than a composed one (docs/BENCHMARKS.md), so only an "
+                                   "order seen often is refined")
     vllm_background_chunk: int = Field(256, ge=0, description="engine vllm: new tokens per background prefill "
                                        "request (compiles ahead, calibrations, shadow checks): a live request that "
                                        "arrives meanwhile waits behind one such step at most; 0: one request each")

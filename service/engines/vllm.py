@@ -13,7 +13,9 @@ out exact (under `exact:<namespace>:<digest>`, the order's own, nothing loaded):
 vLLM alone would, a live request at live priority, and no background prefill is ever sent for it (one vLLM cannot
 interrupt held a live request's first token 2.2 s: docs/BENCHMARKS.md); from then on the order goes out exact and
 vLLM's own prefix cache serves the head, from that whole-prompt prefill only (K/V computed against a cached prefix
-round differently in bfloat16). mode=full: `exact:<namespace>`, nothing loaded.
+round differently in bfloat16). It buys vLLM's own numbers, not speed (a composed repeat loads its head to the exact
+token, a refined one hits vLLM's prefix cache in whole blocks: it computes more), so the default count is high (64).
+mode=full: `exact:<namespace>`, nothing loaded.
 Automatic reuse is vLLM's own prefix cache under the exact salt, reported as `auto_tokens`.
 Replicas (SKILLCACHE_VLLM_URL lists several): a composition goes to the first replica, in the rendezvous order of its
 digest (a request with no composed head: of its tenant and first tokens), that answers (service/vllm/client.py,

@@ -204,11 +204,11 @@ def test_refinement_sends_the_next_request_of_an_order_exact_and_no_background_p
 
 def test_refinement_waits_for_an_order_seen_often_by_default(env):
     c, fake, runner, _ = env
-    assert runner.refine_after == 8
-    for i in range(8):
+    assert runner.refine_after == 64
+    for i in range(64):
         compose(c, ["a", "b"], f"turn {i}")
     assert not exact_live(fake)
-    compose(c, ["a", "b"], "turn 8")
+    compose(c, ["a", "b"], "turn 64")
     assert exact_live(fake) == [fake.sent[-1]]
 
 
