@@ -64,6 +64,9 @@ class Settings(BaseSettings):
         "auto", description="the dtype vLLM runs in (its --dtype; make run-vllm passes this). auto: the one vLLM runs "
         "fastest here: bfloat16 on a GPU or a CPU with AVX-512 BF16 or AMX, float32 on other CPUs (bfloat16 there ran "
         "a 2.3k-token prefill 4-5x slower: docs/BENCHMARKS.md, 'vLLM engine'); the choice is logged at start")
+    vllm_venv: Path = Field(Path(".venv-vllm"), description="the venv `make run-vllm`, the tests and bench start vLLM "
+                            "from (scripts/install-vllm.sh; relative: to the checkout). Another release's venv runs "
+                            "the vLLM tests against it (make test-vllm-matrix; docs/SUPPORT.md)")
     vllm_spans_dir: Path = Field(Path("/dev/shm/skillcache-spans"), description="where vLLM's connector keeps the K/V "
                                  "it saved (blocks in their canonical context, composition steps): a directory every "
                                  "vLLM rank on the host sees, a tmpfs by default (the connector's spans_dir)")

@@ -24,7 +24,18 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python(venv: Path | None = None) -> Path:
+    """The python of vLLM's venv: SKILLCACHE_VLLM_VENV (default .venv-vllm), relative to the checkout."""
+    if venv is None:
+        from service.config import Settings
+
+        venv = Settings().vllm_venv
+    return (venv if venv.is_absolute() else ROOT / venv) / "bin" / "python"
+
+
+VLLM_PYTHON = vllm_python()
 SERVED_NAME = "skillcache"
 
 
