@@ -4,7 +4,7 @@ PORT ?= 8000
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run run-vllm test test-fast lint screenshot clean
+.PHONY: install run run-vllm test test-fast test-vllm-matrix lint screenshot clean
 
 install:
 	@scripts/install.sh $(VENV)
@@ -26,6 +26,10 @@ test: install
 lint: install
 	$(PY) -m ruff check service bench tests clients
 	$(PY) -m mypy
+
+# The vLLM tests on each tested vLLM release (a venv each, kept between runs), then docs/SUPPORT.md's matrix
+test-vllm-matrix: install
+	@PY=$(PY) scripts/test-vllm-matrix.sh
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -89,7 +89,9 @@ def compose(c, skills, user: str, max_tokens: int) -> dict:
     return r.json()
 
 
-def run(tp: int, args, folder: Path, work: Path, cases) -> dict:
+def run(tp: int, args, folder: Path, work: Path, cases, python: Path | None = None, after=None) -> dict:
+    """One vLLM server at TP=tp (from `python`'s venv; default SKILLCACHE_VLLM_VENV's) and the cases through
+    skillcache on it; `after(url)`, if given, runs against the server before it stops (its result: out["after"])."""
     from fastapi.testclient import TestClient
 
     from service.config import Settings
@@ -99,7 +101,8 @@ def run(tp: int, args, folder: Path, work: Path, cases) -> dict:
     spans = home / "spans"
     log = home / "vllm.log"
     env = environment(kv_cache_gib=args.kv_gib, tp=tp)
-    proc = VllmProcess(command(folder, free_port(), spans, dtype=args.dtype, tp=tp), env, log)
+    cmd = command(folder, free_port(), spans, dtype=args.dtype, tp=tp, **({"python": python} if python else {}))
+    proc = VllmProcess(cmd, env, log)
     out: dict = {"tp": tp, "omp_bind": env.get("VLLM_CPU_OMP_THREADS_BIND"), "omp_threads": env.get("OMP_NUM_THREADS"),
                  "cases": []}
     t0 = time.perf_counter()
@@ -138,6 +141,8 @@ def run(tp: int, args, folder: Path, work: Path, cases) -> dict:
                 print(f"TP={tp} {i + 1:2d} first {first!r:14} composed {u.get('composed_tokens')}/"
                       f"{u.get('prompt_tokens')} loaded {moved['external_kv_transfer']} computed "
                       f"{moved['local_compute']} hit {moved['local_cache_hit']} ({ms:.0f} ms)", flush=True)
+        if after is not None:
+            out["after"] = after(proc.url)
         out["elapsed_s"] = round(time.perf_counter() - t0, 1)
     finally:
         proc.stop()

@@ -10,6 +10,7 @@ vLLM did not compute: its own prefix cache hits plus the tokens the connector lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import hashlib
 import json
 import time
@@ -19,8 +20,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from service import metrics
+from service.vllm import compat
 from service.errors import EngineUnavailable, InvalidRequest
 from service.vllm.transfer import Transfer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +48,7 @@ class VllmClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.version: str | None = None  # vLLM's release, once it has answered /health
 
     async def served_model(self) -> str:
         if self.model is None:
@@ -63,9 +68,21 @@ class VllmClient:
     async def health(self) -> bool:
         try:
             await self._get("/health")
-            return True
         except EngineUnavailable:
             return False
+        if self.version is None:
+            await self._check_version()
+        return True
+
+    async def _check_version(self) -> None:
+        """vLLM's release, read once when it first answers: one line in the log when it is not a tested one."""
+        try:
+            self.version = str((await self._get("/version")).json().get("version", ""))
+        except (EngineUnavailable, ValueError, AttributeError):
+            self.version = ""  # a server without /version: not asked again
+        line = compat.outside(self.version)
+        if line:
+            log.warning("%s: %s", self.base_url, line)
 
     async def metrics(self) -> str:
         return (await self._get("/metrics")).text

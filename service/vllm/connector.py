@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from service.vllm import compat
 from service.vllm.paged import LayoutError, SlotIndex, learn, write_piece
 from service.vllm.spans import SpanError, SpanStore, model_key, remote_tier
 from service.vllm.transfer import Piece, Transfer, TransferError
@@ -104,6 +105,13 @@ class SkillcacheConnector(KVConnectorBase_V1):
                           int(extra.get("max_bytes", DEFAULT_MAX_BYTES)),
                           remote_tier(extra))
         self._setup(store, vllm_config.cache_config.block_size, lambda: _rotator(mc.hf_config))
+        if role == KVConnectorRole.SCHEDULER:  # one line per server, not one per rank
+            line = compat.outside(compat.installed())
+            if line:
+                log.warning("skillcache: %s", line)
+        self.off = compat.api_problems(type(self))
+        if self.off:
+            log.warning("skillcache connector off, vLLM computes every token: %s", "; ".join(self.off))
 
     def _setup(self, store: SpanStore, block_size: int, rotator_fn) -> None:
         """The connector's own state (apart from vLLM's config: the tests build it with this alone)."""
@@ -117,6 +125,7 @@ class SkillcacheConnector(KVConnectorBase_V1):
         self._index: dict[tuple, SlotIndex] = {}  # learned cache layouts
         self._saving: dict[int, tuple[list, list]] = {}  # save job -> per layer (k, v), this step
         self.n_rejected = 0
+        self.off: list[str] = []  # what of vLLM's API is not what the connector reads (service/vllm/compat.py)
 
     # ---- scheduler side --------------------------------------------------------------------
     def _available(self, t: Transfer, prompt: list[int]) -> int:
@@ -142,7 +151,7 @@ class SkillcacheConnector(KVConnectorBase_V1):
         except TransferError as e:
             log.warning("skillcache transfer of %s ignored: %s", request.request_id, e)
             return 0, False
-        if t is None:
+        if t is None or self.off:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         if t.save is not None and request.request_id not in self._saves and t.save.hi <= len(prompt):
@@ -165,6 +174,8 @@ class SkillcacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SkillcacheMeta()
+        if self.off:
+            return meta
         blocks_of: dict[str, list[int]] = {}  # the request's whole block list, where this step tells it
         computed: dict[str, int] = {}  # tokens computed after this step
         sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}

@@ -5,6 +5,7 @@ the cache writes are a plain one and the CPU backend's own (vllm._custom_ops.cpu
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import vllm.forward_context
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
+from service.vllm import compat
 from service.vllm.connector import SkillcacheConnector
 from service.vllm.paged import LayoutError, learn
 from service.vllm.spans import SpanStore
@@ -408,3 +410,65 @@ def test_tp_ranks_save_and_load_their_own_heads_and_the_scheduler_wants_every_ra
             moved = rotator.rotate(kb[li].transpose(0, 1)[None], 16, li)[0].transpose(0, 1)[:, h:h + 1]
             assert torch.allclose(k1, moved, atol=1e-6) and torch.equal(v1, vb[li, :, h:h + 1])
             assert s0 == slots([7, 3, 9, 4], 0, 20) and s1 == slots([7, 3, 9, 4], 20, 40)
+
+
+# ---- the vLLM release (service/vllm/compat.py): run in each tested release's venv by make test-vllm-matrix ---------
+def test_this_vllm_is_a_tested_release_and_has_what_the_connector_reads():
+    assert compat.outside(compat.installed()) is None, compat.installed()
+    assert compat.api_problems(SkillcacheConnector) == []
+
+
+@pytest.mark.parametrize("version, named", [("0.29.2", True), ("0.33.0rc1", True), ("1.0.0", True), ("", True),
+                                            ("0.31.0", False), ("0.32.0+cpu", False), ("v0.30.0", False)])
+def test_an_untested_release_is_named_in_one_line_with_the_tested_range(version, named):
+    line = compat.outside(version)
+    assert (line is not None) == named
+    if named:
+        assert f"{compat.TESTED[0]} to {compat.TESTED[-1]}" in line and "\n" not in line
+
+
+def test_a_scheduler_field_gone_turns_the_connector_off(tmp_path, records, monkeypatch):
+    from vllm.v1.core.sched import output
+
+    @dataclasses.dataclass
+    class CachedRequestData:  # a release whose cached requests no longer say which were resumed
+        req_ids: list
+        new_block_ids: list
+        num_computed_tokens: list
+
+    monkeypatch.setattr(output, "CachedRequestData", CachedRequestData)
+    problems = compat.api_problems(SkillcacheConnector)
+    assert problems == ["CachedRequestData.resumed_req_ids is gone"]
+    c = connector(tmp_path)
+    c.off = problems
+    r = request("r", P, Transfer(TWO.load, Save("s", 0, 40)))
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)  # vLLM computes every token, saves nothing
+    meta = step(c, new=[(r, list(range(4)), 0, 60)])
+    assert meta.loads == [] and meta.saves == []
+
+
+def test_a_changed_cache_write_turns_the_connector_off(monkeypatch):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, scale):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "do_kv_cache_update", do_kv_cache_update)
+    assert [p for p in compat.api_problems(SkillcacheConnector) if "do_kv_cache_update" in p]
+
+
+def test_an_abstract_method_a_release_adds_is_named():
+    class Later(SkillcacheConnector):
+        pass
+
+    Later.__abstractmethods__ = frozenset({"get_new_hook"})
+    assert compat.api_problems(Later) == ["KVConnectorBase_V1.get_new_hook is abstract and not implemented"]
+
+
+def test_the_base_hooks_later_releases_add_keep_their_defaults(tmp_path):
+    """get_mem_pool_context (0.31), get_external_cache_hit_sources (0.32): the connector inherits them; where this
+    release has them they answer the base's defaults (no custom memory pool; every loaded token one source)."""
+    c = connector(tmp_path)
+    if hasattr(c, "get_mem_pool_context"):
+        assert c.get_mem_pool_context() is None
+    if hasattr(c, "get_external_cache_hit_sources"):
+        got = c.get_external_cache_hit_sources(request("r", P, TWO), 40)
+        assert sum(got.values()) == 40 and len(got) == 1
