@@ -150,7 +150,10 @@ def run(tp: int, args, folder: Path, work: Path, cases, python: Path | None = No
             print(log.read_text(errors="replace")[-3000:])
     text = log.read_text(errors="replace") if log.exists() else ""
     out["connector_warnings"] = {k: text.count(k) for k in ("did not load", "cannot read this cache back",
-                                                            "not saved", "vLLM computes from token")}
+                                                            "not saved", "vLLM computes from token",
+                                                            "connector off", "outside the range")}
+    # vLLM turns its hybrid KV cache manager off for a connector without SupportsHMA (Gemma-3's sliding windows)
+    out["hybrid_kv_cache_manager_off"] = "Turning off hybrid kv cache manager" in text
     out["records"] = records(spans)
     out["totals"] = {k: sum(c["sources"][k] for c in out["cases"]) for k in SOURCES}
     out["composed_total"] = sum(c["usage"]["composed_tokens"] or 0 for c in out["cases"])

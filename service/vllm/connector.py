@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from service.vllm import compat
@@ -51,22 +52,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("skillcache.connector")
 DEFAULT_SPANS_DIR = "/dev/shm/skillcache-spans"
+MAX_PARTIAL = 64  # spans read in part (a chunked prefill), awaiting their last part (worker side)
 DEFAULT_MAX_BYTES = 1024**3  # a rank's records on disk; least recently used out first (steps of old orders, blocks)
+
+
+NULL = -1  # a token's slot in a KV cache group that keeps no block for it (vLLM's null block: out of a sliding window)
 
 
 @dataclass
 class Load:
     pieces: list[Piece]  # clipped to the tokens this request loads
-    slots: list[int]  # one per token, in the pieces' order
+    slots: list[list[int]]  # per KV cache group: one per token, in the pieces' order (NULL: nothing to write there)
     block_ids: list[int]  # the request's blocks those tokens sit in (reported on a failed load)
 
 
 @dataclass
 class SaveJob:
+    """One part of a span to save: the tokens [at, at + len(slots[g])) that are in the cache this step (read in the
+    step vLLM computes them: a sliding window's group frees its blocks behind it); the record is written after the
+    last part."""
+
     name: str
     lo: int
-    ids: list[int]
-    slots: list[int]
+    ids: list[int]  # the whole span's
+    at: int
+    slots: list[list[int]]  # per KV cache group
+    last: bool
 
 
 @dataclass
@@ -83,7 +94,8 @@ class _Pending:
     lo: int
     hi: int
     ids: list[int]
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
+    at: int = -1  # tokens [lo, at) read in earlier steps (-1: none yet)
 
 
 def transfer_of(request: "Request") -> Transfer | None:
@@ -92,7 +104,7 @@ def transfer_of(request: "Request") -> Transfer | None:
     return Transfer.from_dict(d) if d else None
 
 
-class SkillcacheConnector(KVConnectorBase_V1):
+class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -125,6 +137,8 @@ class SkillcacheConnector(KVConnectorBase_V1):
         self._index: dict[tuple, SlotIndex] = {}  # learned cache layouts
         self._saving: dict[int, tuple[list, list]] = {}  # save job -> per layer (k, v), this step
         self.n_rejected = 0
+        self._group_of: dict[str, int] | None = None  # layer name -> KV cache group (worker side, learned once)
+        self._parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # a span's parts read so far
         self.off: list[str] = []  # what of vLLM's API is not what the connector reads (service/vllm/compat.py)
 
     # ---- scheduler side --------------------------------------------------------------------
@@ -168,47 +182,66 @@ class SkillcacheConnector(KVConnectorBase_V1):
             t, n = matched
             self._to_load[request.request_id] = (t, n - num_external_tokens, n)
 
-    def _slots(self, blocks: list[int], lo: int, hi: int) -> list[int]:
+    def _slots(self, blocks: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+        """Slots of tokens [lo, hi) in each KV cache group's blocks (NULL where the group keeps no block)."""
         bs = self.block_size
-        return [blocks[i // bs] * bs + i % bs for i in range(lo, hi)]
+        return [[b[i // bs] * bs + i % bs if b[i // bs] != 0 else NULL for i in range(lo, hi)] for b in blocks]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SkillcacheMeta()
         if self.off:
             return meta
-        blocks_of: dict[str, list[int]] = {}  # the request's whole block list, where this step tells it
+        blocks_of: dict[str, list[list[int]]] = {}  # the request's whole block lists, per group, where this step tells
         computed: dict[str, int] = {}  # tokens computed after this step
         sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         for r in scheduler_output.scheduled_new_reqs:
-            blocks_of[r.req_id] = list(r.block_ids[0])
+            blocks_of[r.req_id] = [list(g) for g in r.block_ids]
             computed[r.req_id] = getattr(r, "num_computed_tokens", 0) + sched.get(r.req_id, 0)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new is not None:  # resumed: new_block_ids holds all its blocks
-                blocks_of[req_id] = list(new[0])
+                blocks_of[req_id] = [list(g) for g in new]
             elif req_id in self._saves and new is not None:
-                self._saves[req_id].blocks.extend(new[0])
+                for have, more in zip(self._saves[req_id].blocks, new):
+                    have.extend(more)
             computed[req_id] = cached.num_computed_tokens[i] + sched.get(req_id, 0)
         for req_id in [r for r in self._to_load if r in blocks_of]:
             t, start, end = self._to_load.pop(req_id)
             blocks = blocks_of[req_id]
             bs = self.block_size
-            meta.loads.append(Load(t.clip(start, end), self._slots(blocks, start, end),
-                                   blocks[start // bs:-(-end // bs)]))
+            touched = list(dict.fromkeys(b for g in blocks for b in g[start // bs:-(-end // bs)] if b != 0))
+            meta.loads.append(Load(t.clip(start, end), self._slots(blocks, start, end), touched))
         for req_id, pending in list(self._saves.items()):
             if req_id in blocks_of:
-                pending.blocks = list(blocks_of[req_id])
-            if computed.get(req_id, 0) >= pending.hi:  # this step completes the span: save it at its end
+                pending.blocks = blocks_of[req_id]
+            if req_id not in computed or not pending.blocks:
+                continue
+            at = max(pending.at, pending.lo)
+            upto = min(computed[req_id], pending.hi)  # the span's tokens in the cache once this step has run
+            if upto <= at:
+                continue
+            slots = self._slots(pending.blocks, at, upto)
+            if any(NULL in g for g in slots):  # a sliding window already dropped them (a long prefix-cache hit)
+                log.warning("skillcache span %r not saved: vLLM freed some of its K/V before the connector could "
+                            "read it (a sliding window)", pending.name)
                 del self._saves[req_id]
-                meta.saves.append(SaveJob(pending.name, pending.lo, pending.ids,
-                                          self._slots(pending.blocks, pending.lo, pending.hi)))
+                continue
+            pending.at = upto
+            meta.saves.append(SaveJob(pending.name, pending.lo, pending.ids, at, slots, upto >= pending.hi))
+            if upto >= pending.hi:
+                del self._saves[req_id]
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         for d in (self._matched, self._to_load, self._saves):
             d.pop(request.request_id, None)  # type: ignore[attr-defined]
         return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict | None]:
+        """SupportsHMA: vLLM keeps its hybrid KV cache manager on (sliding-window layers keep only their window)."""
+        return self.request_finished(request, [])
 
     # ---- worker side -----------------------------------------------------------------------
     @property
@@ -217,11 +250,20 @@ class SkillcacheConnector(KVConnectorBase_V1):
             self._rotator = self._rotator_fn()
         return self._rotator
 
-    @staticmethod
-    def _layers(forward_context: "ForwardContext") -> list[tuple[int, Any]]:
+    def _group(self, name: str) -> int:
+        """The KV cache group of a layer (vLLM's hybrid KV cache manager gives sliding-window layers their own)."""
+        if self._group_of is None:
+            cfg = getattr(self, "_kv_cache_config", None)
+            groups = getattr(cfg, "kv_cache_groups", None) or []
+            self._group_of = {n: g for g, group in enumerate(groups) for n in group.layer_names}
+        return self._group_of.get(name, 0)
+
+    def _layers(self, forward_context: "ForwardContext") -> list[tuple[int, int, Any]]:
+        """(layer index, KV cache group, layer) of each attention layer with a cache."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        return [(extract_layer_index(name), layer) for name, layer in forward_context.no_compile_layers.items()
+        return [(extract_layer_index(name), self._group(name), layer)
+                for name, layer in forward_context.no_compile_layers.items()
                 if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -236,20 +278,24 @@ class SkillcacheConnector(KVConnectorBase_V1):
                 log.warning("skillcache spans did not load; vLLM recomputes their blocks: %s", e)
                 self._failed_blocks.update(load.block_ids)
 
-    def _load(self, load: Load, layers: list[tuple[int, Any]]) -> None:
+    def _load(self, load: Load, layers: list[tuple[int, int, Any]]) -> None:
         at = 0
         for p in load.pieces:
             span = self.store.load(p.name)
             a, b = p.lo - span.pos, p.hi - span.pos
             if a < 0 or b > len(span.ids):
                 raise SpanError(f"span {p.name!r} does not hold positions {p.lo}..{p.hi}")
-            slots_cpu = torch.tensor(load.slots[at:at + b - a], dtype=torch.int64)
+            slots_of = [torch.tensor(g[at:at + b - a], dtype=torch.int64) for g in load.slots]
             at += b - a
-            for li, layer in layers:
+            for li, g, layer in layers:
                 cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
                 write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
-                # [T, H, D] this rank's heads
-                write_piece(self.rotator, li, span.k[li, a:b], span.v[li, a:b], p.delta, cache, slots_cpu, write)
+                slots, k, v = slots_of[g], span.k[li, a:b], span.v[li, a:b]  # [T, H, D] this rank's heads
+                kept = slots != NULL  # a sliding window's group keeps only the tokens in its window
+                if not bool(kept.all()):
+                    slots, k, v = slots[kept], k[kept], v[kept]
+                if len(slots):
+                    write_piece(self.rotator, li, k, v, p.delta, cache, slots, write)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -272,7 +318,7 @@ class SkillcacheConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         layer = get_forward_context().no_compile_layers[layer_name]
-        li = extract_layer_index(layer_name)
+        li, g = extract_layer_index(layer_name), self._group(layer_name)
         cache = kv_layer[0] if isinstance(kv_layer, list) else kv_layer
         try:
             index = self._slot_index(layer, cache)
@@ -280,7 +326,7 @@ class SkillcacheConnector(KVConnectorBase_V1):
             log.warning("skillcache cannot read this cache back (nothing is saved): %s", e)
             return
         for j, job in enumerate(meta.saves):
-            k, v = index.gather(cache, torch.tensor(job.slots, dtype=torch.int64, device=cache.device))
+            k, v = index.gather(cache, torch.tensor(job.slots[g], dtype=torch.int64, device=cache.device))
             ks, vs = self._saving.setdefault(j, ([], []))
             ks.append((li, k.cpu()))
             vs.append((li, v.cpu()))
@@ -292,8 +338,20 @@ class SkillcacheConnector(KVConnectorBase_V1):
             return
         for j, (ks, vs) in saving.items():
             job = meta.saves[j]
-            k = torch.stack([t for _, t in sorted(ks, key=lambda x: x[0])])  # [L, T, H, D]
+            k = torch.stack([t for _, t in sorted(ks, key=lambda x: x[0])])  # [L, T_part, H, D]
             v = torch.stack([t for _, t in sorted(vs, key=lambda x: x[0])])
+            parts = self._parts.pop(job.name, []) if job.at > job.lo else []
+            parts.append((job.at, k, v))
+            if not job.last:
+                self._parts[job.name] = parts
+                while len(self._parts) > MAX_PARTIAL:  # a request that ended before its span did: dropped
+                    self._parts.pop(next(iter(self._parts)))
+                continue
+            if parts[0][0] != job.lo or sum(p[1].shape[1] for p in parts) != len(job.ids):
+                log.warning("skillcache span %r not saved: parts of it were not read", job.name)
+                continue
+            k = torch.cat([p[1] for p in parts], dim=1)  # [L, T, H, D]
+            v = torch.cat([p[2] for p in parts], dim=1)
             try:
                 self.store.save(job.name, job.lo, job.ids, k, v)
             except (SpanError, OSError) as e:  # a refused name, a full disk: nothing saved, vLLM goes on

@@ -61,13 +61,19 @@ def request(rid: str, ids: list[int], t: Transfer | None = None, params=None):
                            kv_transfer_params={"skillcache": t.to_dict()} if t is not None else params)
 
 
+def groups(blocks) -> tuple[list[int], ...]:
+    """A request's blocks per KV cache group: a list is one group, a tuple of lists one per group (HMA)."""
+    return blocks if isinstance(blocks, tuple) else (blocks,)
+
+
 def step(c, new=(), cached=(), resumed=()):
     """One scheduler step: new = [(req, blocks, computed, scheduled)], cached = [(req, new_blocks, computed, sched)]."""
     out = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,), num_computed_tokens=n)
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=groups(b), num_computed_tokens=n)
                             for r, b, n, _ in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, *_ in cached], resumed_req_ids=set(resumed),
-                                              new_block_ids=[(b,) if b is not None else None for _, b, _, _ in cached],
+                                              new_block_ids=[groups(b) if b is not None else None
+                                                             for _, b, _, _ in cached],
                                               num_computed_tokens=[n for _, _, n, _ in cached]),
         num_scheduled_tokens={r.request_id: s for r, _, _, s in [*new, *cached]})
     return c.build_connector_meta(out)
@@ -133,29 +139,31 @@ def test_a_load_maps_its_tokens_into_the_requests_blocks(tmp_path, records, comp
     meta = step(c, new=[(r, [7, 3, 9, 4], 40, 20)])
     (load,) = meta.loads
     assert load.pieces == pieces and load.block_ids == block_ids
-    assert load.slots == slots([7, 3, 9, 4], computed, 40)
+    assert load.slots == [slots([7, 3, 9, 4], computed, 40)]  # one KV cache group
     assert step(c, cached=[(r, None, 60, 1)]).loads == []  # loaded once
     c.get_num_new_matched_tokens(r2 := request("r2", P, TWO), 0)
     c.update_state_after_alloc(r2, None, 0)  # vLLM took none of them
     assert step(c, new=[(r2, [1, 2, 5, 6], 0, 60)]).loads == []
 
 
-def test_a_save_is_emitted_in_the_step_that_computes_its_last_token(tmp_path):
+def test_a_save_is_read_as_vllm_computes_it_and_written_after_its_last_token(tmp_path):
     c, r = connector(tmp_path), request("r", P[:40], Transfer(save=Save("s", 10, 40)))
     assert c.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert step(c, new=[(r, [2, 5], 0, 20)]).saves == []  # a chunked prefill: tokens 0..19 this step
+    (first,) = step(c, new=[(r, [2, 5], 0, 20)]).saves  # a chunked prefill: tokens 0..19 this step
+    assert (first.name, first.lo, first.ids, first.at, first.last) == ("s", 10, P[10:40], 10, False)
+    assert first.slots == [slots([2, 5], 10, 20)]
     (job,) = step(c, cached=[(r, [8], 20, 20)]).saves  # the second chunk brings block 8 and completes the span
-    assert (job.name, job.lo, job.ids) == ("s", 10, P[10:40])
-    assert job.slots == slots([2, 5, 8], 10, 40)
+    assert (job.at, job.last) == (20, True) and job.slots == [slots([2, 5, 8], 20, 40)]
     assert step(c, cached=[(r, None, 40, 1)]).saves == []  # saved once
 
 
 def test_a_resumed_request_saves_from_its_new_blocks(tmp_path):
     c, r = connector(tmp_path), request("r", P[:40], Transfer(save=Save("s", 0, 40)))
     c.get_num_new_matched_tokens(r, 0)
-    assert step(c, new=[(r, [2, 5], 0, 20)]).saves == []
+    (first,) = step(c, new=[(r, [2, 5], 0, 20)]).saves
+    assert first.slots == [slots([2, 5], 0, 20)]
     (job,) = step(c, cached=[(r, [6, 1, 4], 20, 20)], resumed=["r"]).saves  # preempted: all its blocks anew
-    assert job.slots == slots([6, 1, 4], 0, 40)
+    assert (job.at, job.last) == (20, True) and job.slots == [slots([6, 1, 4], 20, 40)]
 
 
 def test_request_finished_clears_the_requests_load_and_save(tmp_path, records):
@@ -472,3 +480,82 @@ def test_the_base_hooks_later_releases_add_keep_their_defaults(tmp_path):
     if hasattr(c, "get_external_cache_hit_sources"):
         got = c.get_external_cache_hit_sources(request("r", P, TWO), 40)
         assert sum(got.values()) == 40 and len(got) == 1
+
+
+# ---- vLLM's hybrid KV cache manager (SupportsHMA): a KV cache group per attention kind, sliding windows keep only
+# their window (vLLM's null block 0 stands for the rest) -------------------------------------------------------------
+def two_groups(c):
+    """NAMES[0] in group 0 (full attention), NAMES[1] in group 1 (a sliding window)."""
+    c._kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[NAMES[0]]),
+                                                          SimpleNamespace(layer_names=[NAMES[1]])])
+    return c
+
+
+def test_the_connector_keeps_vllms_hybrid_kv_cache_manager_on(tmp_path, records):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    c, r = connector(tmp_path), request("r", P, Transfer(TWO.load, Save("s", 40, 50)))
+    assert isinstance(c, SupportsHMA)
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)
+    c.update_state_after_alloc(r, None, 40)
+    assert c.request_finished_all_groups(r, ([7, 3, 9, 4], [0, 0, 9, 4])) == (False, None)
+    meta = step(c, new=[(r, [7, 3, 9, 4], 40, 20)])
+    assert meta.loads == [] and meta.saves == []
+
+
+def test_a_load_writes_a_sliding_windows_group_only_where_it_keeps_blocks(tmp_path, records, rotator):
+    _, (ka, va), (kb, vb) = records
+    c, r = two_groups(connector(tmp_path, rot=rotator)), request("r", P, TWO)
+    layers = {NAMES[0]: PlainLayer(), NAMES[1]: PlainLayer()}
+    assert c.get_num_new_matched_tokens(r, 0) == (40, False)
+    c.update_state_after_alloc(r, None, 40)
+    meta = step(c, new=[(r, ([7, 3, 9, 4], [0, 5, 6, 8]), 40, 20)])  # group 1 keeps no block for tokens 0..15
+    (load,) = meta.loads
+    assert load.slots == [slots([7, 3, 9, 4], 0, 40), [-1] * 16 + slots([0, 5, 6, 8], 16, 40)]
+    assert load.block_ids == [7, 3, 9, 5, 6]  # null block 0 is nobody's
+    c.bind_connector_metadata(meta)
+    c.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    (k0, _, s0), _ = layers[NAMES[0]].written  # full attention: every token
+    assert torch.equal(k0, ka[0]) and s0 == slots([7, 3, 9, 4], 0, 20)
+    (k1, v1, s1), (k2, v2, s2) = layers[NAMES[1]].written  # the window: blk-a's tokens 16..19, then all of blk-b
+    assert torch.equal(k1, ka[1, 16:20]) and torch.equal(v1, va[1, 16:20]) and s1 == slots([0, 5, 6, 8], 16, 20)
+    moved = rotator.rotate(kb[1].transpose(0, 1)[None], 16, 1)[0].transpose(0, 1)
+    assert torch.equal(k2, moved) and torch.equal(v2, vb[1]) and s2 == slots([0, 5, 6, 8], 20, 40)
+    assert c.get_block_ids_with_load_errors() == set()
+
+
+def test_a_span_is_saved_whole_though_a_sliding_window_freed_its_first_blocks_in_between(tmp_path, monkeypatch):
+    """A chunked prefill: tokens 0..31 in one step, 32..59 in the next; by then the sliding window's group has
+    freed block 3 (null). Each part was read in the step that computed it, so the record holds every token."""
+    c = two_groups(connector(tmp_path))
+    r = request("r", P, Transfer(save=Save("s", 0, 60)))
+    layers = {n: PlainLayer() for n in NAMES}
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(no_compile_layers=layers))
+    k, v = kv(60, 11)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+
+    def run(meta, lo: int, hi: int, blocks) -> None:  # vLLM's forward writes tokens [lo, hi), then the connector
+        for li, name in enumerate(NAMES):
+            layer = layers[name]
+            at = torch.tensor(slots(blocks[li], lo, hi))
+            layer.do_kv_cache_update(layer, k[li, lo:hi], v[li, lo:hi], layer.kv_cache, at)
+        c.bind_connector_metadata(meta)
+        for name in NAMES:
+            c.save_kv_layer(name, layers[name].kv_cache, None)
+        c.wait_for_save()
+
+    run(step(c, new=[(r, ([3, 1], [3, 1]), 0, 32)]), 0, 32, ([3, 1], [3, 1]))
+    assert not SpanStore(tmp_path, "m").exists("s")  # not written before its last part
+    layers[NAMES[1]].kv_cache[3] = 0  # the window moved on: group 1's block 3 is freed (and may be reused)
+    run(step(c, cached=[(r, ([6, 8], [6, 8]), 32, 28)]), 32, 60, ([3, 1, 6, 8], [0, 1, 6, 8]))
+    span = SpanStore(tmp_path, "m").load("s")
+    assert span.ids == P and torch.equal(span.k, k) and torch.equal(span.v, v)
+
+
+def test_a_save_whose_tokens_a_sliding_window_already_dropped_is_not_saved(tmp_path):
+    c = two_groups(connector(tmp_path))
+    r = request("r", P[:40], Transfer(save=Save("s", 0, 40)))
+    c.get_num_new_matched_tokens(r, 32)  # a prefix-cache hit of 32 tokens: group 1 kept none of their blocks
+    meta = step(c, new=[(r, ([2, 5, 8], [0, 0, 8]), 32, 8)])
+    assert meta.saves == []
+    assert step(c, cached=[(r, None, 40, 1)]).saves == []  # given up, not retried
