@@ -13,8 +13,10 @@ to save. skillcache plans them (service/engines/vllm.py); the connector checks a
 
 Scheduler side: get_num_new_matched_tokens answers the pieces' tokens beyond vLLM's own prefix hit, up to the first
 piece whose record is missing or whose ids are not the prompt's (vLLM computes from there: prefix-only, nothing wrong
-is loaded). build_connector_meta turns the request's blocks into slots, for loads and, once the step that completes
-the save span is scheduled, for the save.
+is loaded). build_connector_meta turns the request's blocks into slots (service/vllm/connector_meta.py), per KV cache
+group: the connector declares SupportsHMA, so vLLM keeps its hybrid KV cache manager, and a sliding-window model
+(Gemma-3) has groups that keep only their window; a load writes a group only where it keeps blocks, and a save is
+read in parts, each in the step vLLM computes it, and written after its last.
 Worker side: start_load_kv reads each piece's record (this rank's heads, service/vllm/spans.py), re-rotates its keys
 by the piece's move with the project's rotary code (service/kv/rope.py, built from vLLM's model config), and writes
 them with the attention backend's own cache write (`impl.do_kv_cache_update`), whatever layout it packs.
@@ -26,7 +28,6 @@ request's blocks as load errors: vLLM recomputes them (kv_load_failure_policy "r
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.vllm import compat
+from service.vllm.connector_meta import NULL, Load, SkillcacheMeta, Pending, transfer_of, plan_step
 from service.vllm.paged import LayoutError, SlotIndex, learn, write_piece
 from service.vllm.spans import SpanError, SpanStore, model_key, remote_tier
-from service.vllm.transfer import Piece, Transfer, TransferError
+from service.vllm.transfer import Transfer, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,58 +52,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("skillcache.connector")
+log = logging.getLogger("vllm.skillcache.connector")  # under vLLM's logger: its handler, level and format
 DEFAULT_SPANS_DIR = "/dev/shm/skillcache-spans"
 MAX_PARTIAL = 64  # spans read in part (a chunked prefill), awaiting their last part (worker side)
 DEFAULT_MAX_BYTES = 1024**3  # a rank's records on disk; least recently used out first (steps of old orders, blocks)
-
-
-NULL = -1  # a token's slot in a KV cache group that keeps no block for it (vLLM's null block: out of a sliding window)
-
-
-@dataclass
-class Load:
-    pieces: list[Piece]  # clipped to the tokens this request loads
-    slots: list[list[int]]  # per KV cache group: one per token, in the pieces' order (NULL: nothing to write there)
-    block_ids: list[int]  # the request's blocks those tokens sit in (reported on a failed load)
-
-
-@dataclass
-class SaveJob:
-    """One part of a span to save: the tokens [at, at + len(slots[g])) that are in the cache this step (read in the
-    step vLLM computes them: a sliding window's group frees its blocks behind it); the record is written after the
-    last part."""
-
-    name: str
-    lo: int
-    ids: list[int]  # the whole span's
-    at: int
-    slots: list[list[int]]  # per KV cache group
-    last: bool
-
-
-@dataclass
-class SkillcacheMeta(KVConnectorMetadata):
-    loads: list[Load] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    """A request's save, on the scheduler side, until the step that completes its span."""
-
-    name: str
-    lo: int
-    hi: int
-    ids: list[int]
-    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
-    at: int = -1  # tokens [lo, at) read in earlier steps (-1: none yet)
-
-
-def transfer_of(request: "Request") -> Transfer | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    d = params.get("skillcache") if isinstance(params, dict) else None
-    return Transfer.from_dict(d) if d else None
 
 
 class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -132,7 +86,7 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._connector_metadata = None
         self._matched: dict[str, tuple[Transfer, int]] = {}  # request id -> (transfer, tokens it can supply)
         self._to_load: dict[str, tuple[Transfer, int, int]] = {}  # allocated: [start, end) to load
-        self._saves: dict[str, _Pending] = {}
+        self._saves: dict[str, Pending] = {}
         self._failed_blocks: set[int] = set()
         self._index: dict[tuple, SlotIndex] = {}  # learned cache layouts
         self._saving: dict[int, tuple[list, list]] = {}  # save job -> per layer (k, v), this step
@@ -169,7 +123,7 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         if t.save is not None and request.request_id not in self._saves and t.save.hi <= len(prompt):
-            self._saves[request.request_id] = _Pending(t.save.name, t.save.lo, t.save.hi, prompt[t.save.lo:t.save.hi])
+            self._saves[request.request_id] = Pending(t.save.name, t.save.lo, t.save.hi, prompt[t.save.lo:t.save.hi])
         n = self._available(t, prompt) if t.n_load > num_computed_tokens else 0
         if n <= num_computed_tokens:
             return 0, False
@@ -182,56 +136,10 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
             t, n = matched
             self._to_load[request.request_id] = (t, n - num_external_tokens, n)
 
-    def _slots(self, blocks: list[list[int]], lo: int, hi: int) -> list[list[int]]:
-        """Slots of tokens [lo, hi) in each KV cache group's blocks (NULL where the group keeps no block)."""
-        bs = self.block_size
-        return [[b[i // bs] * bs + i % bs if b[i // bs] != 0 else NULL for i in range(lo, hi)] for b in blocks]
-
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = SkillcacheMeta()
         if self.off:
-            return meta
-        blocks_of: dict[str, list[list[int]]] = {}  # the request's whole block lists, per group, where this step tells
-        computed: dict[str, int] = {}  # tokens computed after this step
-        sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
-        for r in scheduler_output.scheduled_new_reqs:
-            blocks_of[r.req_id] = [list(g) for g in r.block_ids]
-            computed[r.req_id] = getattr(r, "num_computed_tokens", 0) + sched.get(r.req_id, 0)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new is not None:  # resumed: new_block_ids holds all its blocks
-                blocks_of[req_id] = [list(g) for g in new]
-            elif req_id in self._saves and new is not None:
-                for have, more in zip(self._saves[req_id].blocks, new):
-                    have.extend(more)
-            computed[req_id] = cached.num_computed_tokens[i] + sched.get(req_id, 0)
-        for req_id in [r for r in self._to_load if r in blocks_of]:
-            t, start, end = self._to_load.pop(req_id)
-            blocks = blocks_of[req_id]
-            bs = self.block_size
-            touched = list(dict.fromkeys(b for g in blocks for b in g[start // bs:-(-end // bs)] if b != 0))
-            meta.loads.append(Load(t.clip(start, end), self._slots(blocks, start, end), touched))
-        for req_id, pending in list(self._saves.items()):
-            if req_id in blocks_of:
-                pending.blocks = blocks_of[req_id]
-            if req_id not in computed or not pending.blocks:
-                continue
-            at = max(pending.at, pending.lo)
-            upto = min(computed[req_id], pending.hi)  # the span's tokens in the cache once this step has run
-            if upto <= at:
-                continue
-            slots = self._slots(pending.blocks, at, upto)
-            if any(NULL in g for g in slots):  # a sliding window already dropped them (a long prefix-cache hit)
-                log.warning("skillcache span %r not saved: vLLM freed some of its K/V before the connector could "
-                            "read it (a sliding window)", pending.name)
-                del self._saves[req_id]
-                continue
-            pending.at = upto
-            meta.saves.append(SaveJob(pending.name, pending.lo, pending.ids, at, slots, upto >= pending.hi))
-            if upto >= pending.hi:
-                del self._saves[req_id]
-        return meta
+            return SkillcacheMeta()
+        return plan_step(scheduler_output, self._to_load, self._saves, self.block_size)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         for d in (self._matched, self._to_load, self._saves):
@@ -256,6 +164,7 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
             cfg = getattr(self, "_kv_cache_config", None)
             groups = getattr(cfg, "kv_cache_groups", None) or []
             self._group_of = {n: g for g, group in enumerate(groups) for n in group.layer_names}
+            log.info("skillcache connector: %d KV cache groups", max(1, len(groups)))
         return self._group_of.get(name, 0)
 
     def _layers(self, forward_context: "ForwardContext") -> list[tuple[int, int, Any]]:

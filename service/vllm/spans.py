@@ -47,7 +47,7 @@ from safetensors.torch import save as save_bytes
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
 REDIS_PREFIX = "skillcache:spans:"
 REDIS_RETRY_S = 5.0  # after a Redis error, the shared tier is skipped this long (the local tier goes on)
-log = logging.getLogger("skillcache.spans")
+log = logging.getLogger("vllm.skillcache.spans")  # under vLLM's logger (the connector runs inside vLLM)
 
 
 class SpanError(Exception):
