@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.vllm import compat
-from service.vllm.connector_meta import NULL, Load, SkillcacheMeta, Pending, transfer_of, plan_step
+from service.vllm.connector_meta import NULL, Load, Pending, SkillcacheMeta, plan_step, transfer_of
 from service.vllm.paged import LayoutError, SlotIndex, learn, write_piece
 from service.vllm.spans import SpanError, SpanStore, model_key, remote_tier
 from service.vllm.transfer import Transfer, TransferError
@@ -89,7 +89,7 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._saves: dict[str, Pending] = {}
         self._failed_blocks: set[int] = set()
         self._index: dict[tuple, SlotIndex] = {}  # learned cache layouts
-        self._saving: dict[int, tuple[list, list]] = {}  # save job -> per layer (k, v), this step
+        self._saving: dict[int, list] = {}  # save job -> per layer (index, k, v, tokens freed), this step
         self.n_rejected = 0
         self._group_of: dict[str, int] | None = None  # layer name -> KV cache group (worker side, learned once)
         self._parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # a span's parts read so far
@@ -203,6 +203,11 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
                 kept = slots != NULL  # a sliding window's group keeps only the tokens in its window
                 if not bool(kept.all()):
                     slots, k, v = slots[kept], k[kept], v[kept]
+                if span.valid is not None and len(slots):  # the record lacks this layer's K/V before valid[li]
+                    first = p.lo + int(kept.nonzero()[0, 0])
+                    if first < span.valid[li]:
+                        raise SpanError(f"span {p.name!r} holds layer {li} from position {span.valid[li]}, "
+                                        f"not {first}")
                 if len(slots):
                     write_piece(self.rotator, li, k, v, p.delta, cache, slots, write)
 
@@ -235,34 +240,46 @@ class SkillcacheConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("skillcache cannot read this cache back (nothing is saved): %s", e)
             return
         for j, job in enumerate(meta.saves):
-            k, v = index.gather(cache, torch.tensor(job.slots[g], dtype=torch.int64, device=cache.device))
-            ks, vs = self._saving.setdefault(j, ([], []))
-            ks.append((li, k.cpu()))
-            vs.append((li, v.cpu()))
+            slots = job.slots[g]
+            skip = next((i for i, s in enumerate(slots) if s != NULL), len(slots))  # freed behind a window
+            got = self._saving.setdefault(j, [])
+            if NULL in slots[skip:]:
+                got.append((li, None, None, skip))  # not a window's prefix: this part cannot be read
+                continue
+            k, v = index.gather(cache, torch.tensor(slots[skip:], dtype=torch.int64, device=cache.device))
+            if skip:  # zeros where the window freed them; the record says the layer holds its K/V from past them
+                k = torch.cat([k.new_zeros((skip, *k.shape[1:])), k])
+                v = torch.cat([v.new_zeros((skip, *v.shape[1:])), v])
+            got.append((li, k.cpu(), v.cpu(), skip))
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         saving, self._saving = self._saving, {}
         if not isinstance(meta, SkillcacheMeta):
             return
-        for j, (ks, vs) in saving.items():
+        for j, got in saving.items():
             job = meta.saves[j]
-            k = torch.stack([t for _, t in sorted(ks, key=lambda x: x[0])])  # [L, T_part, H, D]
-            v = torch.stack([t for _, t in sorted(vs, key=lambda x: x[0])])
+            got.sort(key=lambda x: x[0])
             parts = self._parts.pop(job.name, []) if job.at > job.lo else []
-            parts.append((job.at, k, v))
+            if any(k is None for _, k, _, _ in got):
+                log.warning("skillcache span %r not saved: vLLM freed K/V of it before it was read", job.name)
+                continue
+            k = torch.stack([k for _, k, _, _ in got])  # [L, T_part, H, D]
+            v = torch.stack([v for _, _, v, _ in got])
+            parts.append((job.at, k, v, [skip for *_, skip in got]))
             if not job.last:
                 self._parts[job.name] = parts
                 while len(self._parts) > MAX_PARTIAL:  # a request that ended before its span did: dropped
                     self._parts.pop(next(iter(self._parts)))
                 continue
-            if parts[0][0] != job.lo or sum(p[1].shape[1] for p in parts) != len(job.ids):
+            if parts[0][0] != job.lo or sum(p[1].shape[1] for p in parts) != len(job.ids) or \
+                    any(any(p[3]) for p in parts[1:]):
                 log.warning("skillcache span %r not saved: parts of it were not read", job.name)
                 continue
             k = torch.cat([p[1] for p in parts], dim=1)  # [L, T, H, D]
             v = torch.cat([p[2] for p in parts], dim=1)
             try:
-                self.store.save(job.name, job.lo, job.ids, k, v)
+                self.store.save(job.name, job.lo, job.ids, k, v, [job.lo + skip for skip in parts[0][3]])
             except (SpanError, OSError) as e:  # a refused name, a full disk: nothing saved, vLLM goes on
                 log.warning("skillcache span %r not saved: %s", job.name, e)
 

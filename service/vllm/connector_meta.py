@@ -4,7 +4,6 @@ their own that keep only their window), loads, and saves read in parts as vLLM c
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,8 +14,6 @@ from service.vllm.transfer import Piece, Transfer
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-log = logging.getLogger("vllm.skillcache.connector")
 
 NULL = -1  # a token's slot in a KV cache group that keeps no block for it (vLLM's null block: out of a sliding window)
 
@@ -32,7 +29,8 @@ class Load:
 class SaveJob:
     """One part of a span to save: the tokens [at, at + len(slots[g])) that are in the cache this step (read in the
     step vLLM computes them: a sliding window's group frees its blocks behind it); the record is written after the
-    last part."""
+    last part. A group's NULL slots (a prefix-cache hit longer than its window: only the first part has them, at its
+    start) are saved as zeros, and the record says from which position each layer holds its K/V."""
 
     name: str
     lo: int
@@ -107,12 +105,7 @@ def plan_step(scheduler_output: "SchedulerOutput", to_load: dict, saves: "dict[s
         upto = min(computed[req_id], pending.hi)  # the span's tokens in the cache once this step has run
         if upto <= at:
             continue
-        slots = slots_of(pending.blocks, at, upto, bs)
-        if any(NULL in g for g in slots):  # a sliding window already dropped them (a long prefix-cache hit)
-            log.warning("skillcache span %r not saved: vLLM freed some of its K/V before the connector could "
-                        "read it (a sliding window)", pending.name)
-            del saves[req_id]
-            continue
+        slots = slots_of(pending.blocks, at, upto, bs)  # NULL: a sliding window freed them (a long prefix hit)
         pending.at = upto
         meta.saves.append(SaveJob(pending.name, pending.lo, pending.ids, at, slots, upto >= pending.hi))
         if upto >= pending.hi:

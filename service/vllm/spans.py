@@ -62,6 +62,8 @@ class Span:
     ids: list[int]
     k: torch.Tensor
     v: torch.Tensor
+    valid: tuple[int, ...] | None = None  # per layer, the first position it holds (a sliding window's layers were
+    # read after vLLM freed their K/V behind the window: zeros before it); None: every layer holds every position
 
     @property
     def end(self) -> int:
@@ -296,11 +298,14 @@ class SpanStore:
         except (OSError, KeyError, ValueError, TypeError, SafetensorError) as e:
             raise SpanError(f"span {name!r}: {e}") from e
 
-    def save(self, name: str, pos: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [L, T, H, D] of this rank."""
+    def save(self, name: str, pos: int, ids: list[int], k: torch.Tensor, v: torch.Tensor,
+             valid: list[int] | None = None) -> None:
+        """k, v: [L, T, H, D] of this rank; valid: per layer, the first position it holds (None: all)."""
         path = self.path(name)
         k, v = k.contiguous(), v.contiguous()
         meta = {"pos": str(pos), "ids": json.dumps(list(ids)), "crc": str(_crc(k, v))}
+        if valid is not None and any(p > pos for p in valid):
+            meta["valid"] = json.dumps([int(p) for p in valid])
         data = save_bytes({"k": k, "v": v}, metadata=meta)
         self._write(path, data)
         self._drop(name)
@@ -327,7 +332,8 @@ class SpanStore:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 k, v = f.get_tensor("k"), f.get_tensor("v")
-            span = Span(int(meta["pos"]), [int(t) for t in json.loads(meta["ids"])], k, v)
+            valid = tuple(int(p) for p in json.loads(meta["valid"])) if "valid" in meta else None
+            span = Span(int(meta["pos"]), [int(t) for t in json.loads(meta["ids"])], k, v, valid)
         except (OSError, KeyError, ValueError, TypeError, RuntimeError, SafetensorError) as e:
             raise SpanError(f"span {name!r} unreadable: {e}") from e
         if str(_crc(k, v)) != meta.get("crc") or k.shape[1] != len(span.ids) or k.shape != v.shape:

@@ -552,10 +552,39 @@ def test_a_span_is_saved_whole_though_a_sliding_window_freed_its_first_blocks_in
     assert span.ids == P and torch.equal(span.k, k) and torch.equal(span.v, v)
 
 
-def test_a_save_whose_tokens_a_sliding_window_already_dropped_is_not_saved(tmp_path):
+def test_a_span_behind_a_long_prefix_hit_keeps_what_the_window_kept_and_a_load_needing_more_fails(tmp_path,
+                                                                                                  monkeypatch):
+    """A block compiled in chunks: its last request hits 32 tokens in vLLM's prefix cache, of which the sliding
+    window's group kept none (null blocks). The record holds layer 1 from position 32 on (zeros before, said in the
+    record); a later load that would write layer 1 at position 20 fails (vLLM recomputes), one from 32 on loads."""
     c = two_groups(connector(tmp_path))
+    layers = {n: PlainLayer() for n in NAMES}
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(no_compile_layers=layers))
+    k, v = kv(40, 5)
+    for li, name in enumerate(NAMES):  # what vLLM computed: the hit (blocks 2, 5) and this step's tokens (block 8)
+        layers[name].do_kv_cache_update(layers[name], k[li], v[li], layers[name].kv_cache,
+                                        torch.tensor(slots([2, 5, 8], 0, 40)))
     r = request("r", P[:40], Transfer(save=Save("s", 0, 40)))
-    c.get_num_new_matched_tokens(r, 32)  # a prefix-cache hit of 32 tokens: group 1 kept none of their blocks
+    c.get_num_new_matched_tokens(r, 32)
     meta = step(c, new=[(r, ([2, 5, 8], [0, 0, 8]), 32, 8)])
-    assert meta.saves == []
-    assert step(c, cached=[(r, None, 40, 1)]).saves == []  # given up, not retried
+    (job,) = meta.saves
+    assert job.slots == [slots([2, 5, 8], 0, 40), [-1] * 32 + slots([2, 5, 8], 32, 40)]
+    c.bind_connector_metadata(meta)
+    for name in NAMES:
+        c.save_kv_layer(name, layers[name].kv_cache, None)
+    c.wait_for_save()
+    span = SpanStore(tmp_path, "m").load("s")
+    assert span.valid == (0, 32)
+    assert torch.equal(span.k[0], k[0]) and torch.equal(span.k[1, 32:], k[1, 32:]) and not span.k[1, :32].any()
+
+    def load(block_ids, lo: int) -> set[int]:
+        t = Transfer((Piece("s", 0, 40, 0),))  # vLLM's own prefix cache holds [0, lo)
+        rq = request("q", P[:40] + [7], t)
+        assert c.get_num_new_matched_tokens(rq, lo) == (40 - lo, False)
+        c.update_state_after_alloc(rq, None, 40 - lo)
+        c.bind_connector_metadata(step(c, new=[(rq, block_ids, 40, 1)]))
+        c.start_load_kv(SimpleNamespace(no_compile_layers={n: PlainLayer() for n in NAMES}))
+        return c.get_block_ids_with_load_errors()
+
+    assert load(([1, 3, 4, 6], [0, 3, 4, 6]), 16) == {3, 4}  # layer 1 at 20: not in the record, vLLM recomputes
+    assert load(([1, 3, 4, 6], [0, 0, 4, 6]), 32) == set()  # layer 1 from 32 on: in the record
