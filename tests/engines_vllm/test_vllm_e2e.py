@@ -13,20 +13,17 @@ import json
 
 import re
 import signal
-import time
 
 import httpx
 import pytest
 
-from fastapi.testclient import TestClient
 
 from agent_libs import LIBRARIES
 from embedded_model import embedded_settings
 from service.devserver import free_port
-from service.main import create_app
 from service.tools.render import ToolPrompt
 from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
-from vllm_env import vllm_python_or_skip
+from vllm_env import ready_client, vllm_python_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +62,7 @@ def client(vllm, tmp_path_factory):
                                  store="disk", skills_dir=None, engine="vllm", vllm_url=vllm.url, seam_tokens=4,
                                  vllm_dtype=fastest_dtype()[0], seam_auto=False, shadow_sample_rate=0.0,
                                  refine_after=0, auto_reuse=False)
-    with TestClient(create_app(settings)) as c:
-        deadline = time.monotonic() + 300
-        while c.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/readyz").json()
-            time.sleep(0.5)
+    with ready_client(settings) as c:
         for name, text in (("returns", SKILL_A), ("shipping", SKILL_B)):
             assert c.post("/v1/skills", json={"name": name, "text": text}).status_code in (200, 201)
         yield c

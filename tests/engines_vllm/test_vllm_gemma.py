@@ -11,18 +11,15 @@ the wrong blocks, or not at all, would show in the distribution.
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from gemma_model import WINDOW, gemma_settings
 from service.devserver import ROOT, free_port
-from service.main import create_app
 from service.vllm.fidelity import top_agreement
 from service.vllm.launch import VllmProcess, command, environment, fastest_dtype, model_dir
-from vllm_env import vllm_python_or_skip
+from vllm_env import ready_client, vllm_python_or_skip
 
 pytestmark = pytest.mark.slow
 SKILLS = ("refund-policy", "shipping-faq")
@@ -57,11 +54,7 @@ def test_gemma_composes_on_vllm_with_the_hybrid_kv_cache_manager_on(gemma_vllm, 
                               store="disk", skills_dir=ROOT / "skills", engine="vllm", vllm_url=gemma_vllm.url,
                               vllm_dtype=fastest_dtype()[0], seam_auto=False, shadow_sample_rate=0.0, refine_after=0,
                               vllm_refine_after=0, auto_reuse=False)
-    with TestClient(create_app(settings)) as c:
-        deadline = time.monotonic() + 300
-        while c.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/readyz").json()
-            time.sleep(0.5)
+    with ready_client(settings) as c:
         names = {s["name"] for s in c.get("/v1/skills").json()["skills"]}
         assert set(SKILLS) <= names, names  # the shipped skills, registered at start
         checks = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 
 from service.vllm.launch import VLLM_PYTHON
 
@@ -17,3 +19,18 @@ def vllm_python_or_skip() -> str:
             pytest.fail(f"{VLLM_PYTHON} missing and {REQUIRE_ENV}=1 (install it: scripts/install-vllm.sh)")
         pytest.skip("vLLM's venv not installed (scripts/install-vllm.sh)")
     return str(VLLM_PYTHON)
+
+
+@contextmanager
+def ready_client(settings, timeout_s: float = 300.0):
+    """skillcache in process on `settings` (engine vllm), once /readyz says ready (vLLM answers, skills compiled)."""
+    from fastapi.testclient import TestClient
+
+    from service.main import create_app
+
+    with TestClient(create_app(settings)) as c:
+        deadline = time.monotonic() + timeout_s
+        while c.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/readyz").json()
+            time.sleep(0.5)
+        yield c
