@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import re
 import shutil
 import tempfile
 import time
@@ -37,6 +36,7 @@ from peers_stats import summarize
 from peers_work import PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, Prompts, send
 
 from service.devserver import ROOT, ServiceProcess, free_port
+from service.vllm.client import prompt_tokens_by_source
 from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment as vllm_env, fastest_dtype, model_dir
 
 ENGINES = ("vllm", "skillcache-vllm", "embedded")
@@ -95,11 +95,7 @@ async def gather(peer, prompts, specs) -> tuple[list[dict], float]:
 
 
 def sources(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
+    return prompt_tokens_by_source(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def descendants(pid: int) -> list[int]:

@@ -33,13 +33,13 @@ from common import write_json  # first: puts this checkout ahead of any installe
 import httpx
 
 from service.devserver import ROOT, free_port
+from service.vllm.client import SOURCES, prompt_tokens_by_source
 from service.vllm.launch import VllmProcess, command, environment, fastest_dtype, model_dir
 
 from fidelity_vllm import SHIPPED, TURNS as FIDELITY_TURNS  # noqa: E402  (bench/ is on sys.path)
 
 TURNS = FIDELITY_TURNS + ["My order arrived damaged. Who pays for the return shipping?",
                           "Summarize the rules you follow in one sentence."]
-SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 
 
 def make_cases(n: int, seed: int) -> list[tuple[tuple[str, ...], str]]:
@@ -50,12 +50,8 @@ def make_cases(n: int, seed: int) -> list[tuple[tuple[str, ...], str]]:
 
 
 def sources(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out = dict.fromkeys(SOURCES, 0.0)
-    for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
-        if m.group(1) in out:
-            out[m.group(1)] += float(m.group(2))
-    return out
+    got = prompt_tokens_by_source(httpx.get(f"{url}/metrics", timeout=30).text)
+    return {k: got[k] for k in SOURCES}
 
 
 def delta(before: dict, after: dict) -> dict[str, int]:

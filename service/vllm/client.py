@@ -10,9 +10,10 @@ vLLM did not compute: its own prefix cache hits plus the tokens the connector lo
 from __future__ import annotations
 
 import asyncio
-import logging
 import hashlib
 import json
+import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +26,18 @@ from service.errors import EngineUnavailable, InvalidRequest
 from service.vllm.transfer import Transfer
 
 log = logging.getLogger(__name__)
+
+SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
+_BY_SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$', re.M)
+
+
+def prompt_tokens_by_source(metrics_text: str) -> dict[str, float]:
+    """Who produced vLLM's prompt tokens, from its /metrics text: `external_kv_transfer` (the connector loaded them),
+    `local_cache_hit` (vLLM's prefix cache), `local_compute`; summed over the other labels, 0.0 where absent."""
+    out = dict.fromkeys(SOURCES, 0.0)
+    for m in _BY_SOURCE.finditer(metrics_text):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import re
 import signal
 
 import httpx
@@ -22,6 +21,7 @@ from agent_libs import LIBRARIES
 from embedded_model import embedded_settings
 from service.devserver import free_port
 from service.tools.render import ToolPrompt
+from service.vllm.client import prompt_tokens_by_source
 from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
 from vllm_env import ready_client, vllm_python_or_skip
 
@@ -69,11 +69,7 @@ def client(vllm, tmp_path_factory):
 
 
 def sources(vllm) -> dict[str, float]:
-    text = httpx.get(f"{vllm.url}/metrics", timeout=10).text
-    out = {"external_kv_transfer": 0.0, "local_cache_hit": 0.0, "local_compute": 0.0}
-    for m in re.finditer(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
-        out[m.group(1)] += float(m.group(2))
-    return out
+    return prompt_tokens_by_source(httpx.get(f"{vllm.url}/metrics", timeout=10).text)
 
 
 def delta(before: dict, after: dict) -> dict:

@@ -17,6 +17,7 @@ import pytest
 
 from gemma_model import WINDOW, gemma_settings
 from service.devserver import ROOT, free_port
+from service.vllm.client import prompt_tokens_by_source
 from service.vllm.fidelity import top_agreement
 from service.vllm.launch import VllmProcess, command, environment, fastest_dtype, model_dir
 from vllm_env import ready_client, vllm_python_or_skip
@@ -46,9 +47,7 @@ def gemma_vllm(tmp_path_factory):
 
 
 def loaded(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} ([0-9.e+]+)$', text, re.M))
+    return prompt_tokens_by_source(httpx.get(f"{url}/metrics", timeout=10).text)["external_kv_transfer"]
 
 
 def test_gemma_composes_on_vllm_with_the_hybrid_kv_cache_manager_on(gemma_vllm, tmp_path_factory):
