@@ -22,7 +22,8 @@ def seam_tokens(body: Composition) -> int | None:
 
 def gen_params(body: GenerationIn, logprobs: int | None = None, max_tokens: int | None = None) -> GenParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return GenParams(max_tokens or body.max_tokens, body.temperature, body.top_p, body.seed, stop, logprobs)
+    return GenParams(max_tokens or body.max_tokens, body.temperature, body.top_p, body.seed, stop, logprobs,
+                     ignore_eos=body.ignore_eos)
 
 
 def tool_choice(choice: ToolChoiceIn | None) -> ToolChoice | None:

@@ -95,7 +95,7 @@ class TokenStream:
         return text
 
     def push(self, tok: int) -> list[Delta]:
-        if tok in self.eos_ids:
+        if tok in self.eos_ids and (not self.p.ignore_eos or self.p.json_schema is not None):
             self.reason = "stop"
             return []
         self.ids.append(tok)

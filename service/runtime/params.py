@@ -21,6 +21,7 @@ class GenParams:
     logprobs: int | None = None  # top-k of the first generated position
     top_k: int = 0  # sample among the k most likely tokens only (0: all)
     json_schema: str | None = None  # the reply is JSON valid under this schema (JSON text; service/api/structured.py)
+    ignore_eos: bool = False  # run to max_tokens (or a stop string) past end-of-sequence; not under a json_schema
 
 
 @dataclass

@@ -117,6 +117,8 @@ class VllmClient:
             body["stop"] = list(gen.stop)
         if gen.logprobs:
             body["logprobs"] = gen.logprobs
+        if gen.ignore_eos and gen.json_schema is None:  # a typed reply ends where its JSON does, as embedded
+            body["ignore_eos"] = True
         if cache_salt:
             body["cache_salt"] = cache_salt
         if transfer:

@@ -48,7 +48,7 @@ class FakeVllm:
         if self.prefix_cache:
             head = max(head, self._hit(ids, cache_salt))
         self.sent.append({"ids": list(ids), "salt": cache_salt, "transfer": transfer, "max_tokens": gen.max_tokens,
-                          "logprobs": gen.logprobs})
+                          "logprobs": gen.logprobs, "ignore_eos": gen.ignore_eos})
         usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens = len(ids), head, 2
         top = None
         if gen.logprobs:  # vLLM's top-k of the first position: the full prefill's, or the composed one's
@@ -513,3 +513,42 @@ def test_seam_calibration_on_vllm_picks_the_smallest_seam_that_keeps_vllms_top1(
         c.portal.call(state.pipeline.guard.drain)
         cal = c.get("/v1/skills/c").json()["calibration"]
         assert not cal["passed"] and cal["seam"] == c.get("/v1/skills/c").json()["n_tokens"]
+
+
+def test_ignore_eos_reaches_vllm_as_its_own_field_and_only_when_asked(env):
+    """Benchmarks compare replies of one length (vLLM's ignore_eos); a typed reply still ends where its JSON does."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from service.runtime.params import GenParams
+    from service.vllm.client import Usage, VllmClient
+
+    c, fake, _, _ = env
+    compose(c, ["a", "b"], ignore_eos=True)
+    assert fake.sent[-1]["ignore_eos"] is True
+    compose(c, ["a", "b"])
+    assert fake.sent[-1]["ignore_eos"] is False
+    assert c.post("/v1/compose", json={"skills": ["a"], "user": "x", "ignore_eos": "yes"}).status_code == 422
+
+    bodies: list[dict] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, text='data: {"choices": [{"text": "x", "token_ids": [1], "finish_reason": "length"}]}'
+                              "\n\ndata: [DONE]\n\n")
+
+    async def run(gen: GenParams) -> None:
+        client = VllmClient("http://vllm:8000")
+        client.http = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(answer))
+        async for _ in client.stream([1, 2], gen, None, None, Usage()):
+            pass
+        await client.http.aclose()
+
+    asyncio.run(run(GenParams(max_tokens=3, ignore_eos=True)))
+    asyncio.run(run(GenParams(max_tokens=3)))
+    asyncio.run(run(GenParams(max_tokens=3, ignore_eos=True, json_schema='{"type": "object"}')))
+    assert [b.get("ignore_eos") for b in bodies] == [True, None, None]

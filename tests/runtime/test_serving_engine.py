@@ -805,3 +805,24 @@ async def test_a_ready_tail_does_not_wait_for_another_requests_prefill(rt, monke
         eng.stop()
     assert together == []
     assert order == ["forward", "tail", "forward", "forward", "tail"], order  # the first tail after one forward
+
+
+def test_ignore_eos_runs_to_max_tokens_but_a_typed_reply_still_ends_at_eos(rt):
+    """`ignore_eos` (vLLM's and llama.cpp's): end-of-sequence is a token like any other, the reply runs to max_tokens;
+    under a json_schema the reply still ends where its JSON does."""
+    from service.runtime.decode import TokenStream
+
+    ids = rt.tokenizer.encode("One two three", add_special_tokens=False)
+    eos = 7
+    plain = TokenStream(rt.tokenizer, {eos}, GenParams(max_tokens=4))
+    plain.push(ids[0]), plain.push(eos)
+    assert plain.reason == "stop" and plain.ids == [ids[0]]
+    ignoring = TokenStream(rt.tokenizer, {eos}, GenParams(max_tokens=4, ignore_eos=True))
+    for t in (ids[0], eos, ids[1]):
+        ignoring.push(t)
+        assert ignoring.reason is None
+    ignoring.push(ids[2])
+    assert ignoring.reason == "length" and ignoring.ids == [ids[0], eos, ids[1], ids[2]]
+    typed = TokenStream(rt.tokenizer, {eos}, GenParams(max_tokens=4, ignore_eos=True, json_schema='{"type": "object"}'))
+    typed.push(eos)
+    assert typed.reason == "stop"

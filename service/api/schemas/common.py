@@ -49,6 +49,9 @@ class GenerationIn(Strict):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[StopString] | StopString | None = None
     stream: StrictBool = False  # JSON true or false: "yes" or 1 is a 422, not a stream
+    ignore_eos: StrictBool = Field(False, description="generate max_tokens even past the end-of-sequence token (vLLM's "
+                                   "and llama.cpp's ignore_eos): replies of one length, for benchmarks; a typed "
+                                   "reply (a JSON schema) still ends where its JSON does")
 
 
 FieldValues = dict[str, Annotated[str, StringConstraints(max_length=1024)]]
