@@ -14,6 +14,8 @@ Arms (greedy, streamed, client-side timing):
   b  repeated orders: each order primed twice, then sent with new turns (prefix hits on every engine)
   c  one stream of --stream-tokens tokens, tokens/s
   d  --concurrency streams of --stream-tokens at once, aggregate tokens/s
+     (c and d read speed through ~10 minutes of this machine's drift and replies of unequal length:
+     bench/vllm_streams.py runs them with both engines up, taking turns, every reply --tokens long)
 Also recorded: vLLM's prompt_tokens_by_source counters over arm a (who computed what) and, per prompt of arm a, the
 greedy text of each engine (first-token agreement with vLLM alone, which computes every token itself).
 """
