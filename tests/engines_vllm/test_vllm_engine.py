@@ -538,8 +538,8 @@ def test_ignore_eos_reaches_vllm_as_its_own_field_and_only_when_asked(env):
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m"}]})
         bodies.append(json.loads(request.content))
-        return httpx.Response(200, text='data: {"choices": [{"text": "x", "token_ids": [1], "finish_reason": "length"}]}'
-                              "\n\ndata: [DONE]\n\n")
+        chunk = {"choices": [{"text": "x", "token_ids": [1], "finish_reason": "length"}]}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
 
     async def run(gen: GenParams) -> None:
         client = VllmClient("http://vllm:8000")
