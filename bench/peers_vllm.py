@@ -45,13 +45,13 @@ ENGINES = ("vllm", "skillcache-vllm", "embedded")
 WARM_SKILL = "shipping-faq"
 
 
-async def vllm_one(client: httpx.AsyncClient, ids: list[int], n: int, t_sched: float, salt: str | None = None
-                   ) -> dict:
+async def vllm_one(client: httpx.AsyncClient, ids: list[int], n: int, t_sched: float, salt: str | None = None,
+                   extra: dict | None = None) -> dict:
     """One streamed completion of `ids` on vLLM alone, in the record shape of peers_work.send; `salt`: vLLM's
-    cache_salt (its prefix cache is shared only between requests with the same one)."""
+    cache_salt (its prefix cache is shared only between requests with the same one); `extra`: more body fields."""
     rec: dict = {"error": None, "ttft_s": None, "e2e_s": None, "text": "", "status": None}
     body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     if salt is not None:
         body["cache_salt"] = salt
     try:

@@ -14,7 +14,8 @@ compares speed, not how soon each reply ended). Prompts as bench/peers_vllm.py's
 them, a turn), primed as there (each order seen twice, then settled).
 
 Reported per engine and arm: tokens/s (c: tokens / the sum of the streams' times; d: tokens / wall time of the
-round), first token p50, each stream's decode rate p50, and the ratio skillcache / vLLM alone.
+round), first token p50, each stream's decode rate p50 (tokens after the first / time from the first token to the
+stream's end), and the ratio skillcache / vLLM alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import shutil
 import statistics
 import tempfile
@@ -32,59 +32,41 @@ from pathlib import Path
 from common import write_json  # first: puts this checkout ahead of any installed copy on sys.path
 import httpx
 from peers_run import environment as bench_environment, quiesce
-from peers_vllm import descendants
+from load import one as skillcache_one
+from peers_vllm import descendants, vllm_one
 from peers_work import PRIME_TURNS, SHORT_TURNS, SKILLS, TURNS, Prompts
 
 from service.devserver import ROOT, ServiceProcess, free_port
-from service.vllm.launch import SERVED_NAME, VllmProcess, command, environment, fastest_dtype, model_dir
+from service.vllm.launch import VllmProcess, command, environment, fastest_dtype, model_dir
 
 ENGINES = ("vllm", "skillcache-vllm")
 
 
 async def stream(client: httpx.AsyncClient, engine: str, prompts: Prompts, order, user: str, n: int) -> dict:
-    """One streamed reply of n tokens: first token, end, and the decode rate between them."""
-    if engine == "vllm":
-        path, body = "/v1/completions", {"model": SERVED_NAME, "prompt": prompts.ids(order, user), "max_tokens": n,
-                                         "temperature": 0.0, "stream": True, "ignore_eos": True,
-                                         "stream_options": {"include_usage": True}}
-    else:
-        path, body = "/v1/compose", {"skills": list(order), "user": user, "max_tokens": n, "temperature": 0.0,
-                                     "stream": True, "ignore_eos": True}
+    """One streamed reply of exactly n tokens (`ignore_eos`), read as bench/peers_vllm.py reads each engine: first
+    token, end, and the decode rate between them."""
     t0 = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    async with client.stream("POST", path, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if engine == "vllm":
-                text = "".join(c.get("text") or "" for c in obj.get("choices") or [])
-                if obj.get("usage"):
-                    tokens = obj["usage"]["completion_tokens"]
-            else:
-                text = obj.get("text") or "" if obj.get("type") == "delta" else ""
-                if obj.get("type") == "done":
-                    tokens = obj["usage"]["completion_tokens"]
-            if text:
-                times.append(time.perf_counter())
-    end = time.perf_counter()
-    if tokens != n:
-        raise RuntimeError(f"{engine}: {tokens} tokens streamed, {n} asked (ignore_eos)")
-    return {"tokens": tokens, "ttft_s": times[0] - t0, "e2e_s": end - t0,
-            "decode_tok_s": (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 else None}
+    if engine == "vllm":
+        rec = await vllm_one(client, prompts.ids(order, user), n, t0, extra={"ignore_eos": True})
+        tokens = rec.get("completion_tokens")
+    else:
+        rec = await skillcache_one(client, {"skills": list(order), "user": user, "max_tokens": n, "temperature": 0.0,
+                                            "stream": True, "ignore_eos": True}, None, t0)
+        tokens = (rec.get("usage") or {}).get("completion_tokens")
+    if rec["error"] is not None or tokens != n:
+        raise RuntimeError(f"{engine}: {tokens} tokens streamed, {n} asked (ignore_eos); error {rec['error']}")
+    return {"tokens": n, "ttft_s": rec["ttft_s"], "e2e_s": rec["e2e_s"],
+            "decode_tok_s": (n - 1) / (rec["e2e_s"] - rec["ttft_s"]) if n > 1 else None}
 
 
 def summary(rounds: list[tuple[list[dict], float]], concurrent: bool) -> dict:
     recs = [r for rs, _ in rounds for r in rs]
     tokens = sum(r["tokens"] for r in recs)
-    span = sum(w for _, w in rounds) if concurrent else sum(r["e2e_s"] for r in recs)
-    return {"tok_s": tokens / span, "tokens": tokens, "streams": len(recs),
+    span = lambda rs, wall: wall if concurrent else sum(r["e2e_s"] for r in rs)  # noqa: E731
+    return {"tok_s": tokens / sum(span(rs, w) for rs, w in rounds), "tokens": tokens, "streams": len(recs),
             "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in recs),
             "decode_tok_s_p50": statistics.median(r["decode_tok_s"] for r in recs if r["decode_tok_s"]),
-            "round_tok_s": [round(sum(r["tokens"] for r in rs) / (w if concurrent else sum(r["e2e_s"] for r in rs)),
-                                  1) for rs, w in rounds]}
+            "round_tok_s": [round(sum(r["tokens"] for r in rs) / span(rs, w), 1) for rs, w in rounds]}
 
 
 async def run(args, urls: dict[str, str], pids: list[int], prompts: Prompts) -> dict:

@@ -40,9 +40,9 @@ class Prompts:
 
 def test_the_reader_counts_each_engines_tokens_and_refuses_a_short_reply():
     vllm = sse([{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, {"choices": [], "usage": {
-        "completion_tokens": 2}}])
+        "prompt_tokens": 3, "completion_tokens": 2}}])  # vLLM's usage chunk
     sc = sse([{"type": "delta", "text": "a"}, {"type": "delta", "text": "b"},
-              {"type": "done", "usage": {"completion_tokens": 2}}])
+              {"type": "done", "usage": {"prompt_tokens": 3, "reused_tokens": 0, "completion_tokens": 2}}])
 
     async def run(engine, body, n):
         async with httpx.AsyncClient(base_url="http://x", transport=httpx.MockTransport(
